@@ -1,0 +1,178 @@
+"""What batching tenants buys: one training round of N tenants, five ways, timed side by side.
+
+A round = every tenant does forward_backward (cross-entropy) on its sequences, then optim_step.
+    (a) batched     one engine call for all N tenants' requests + one optim_step call
+    (b) per-tenant  the engine called once per tenant (N forward_backward + N optim_step calls)
+    (c) peft        one peft model holding N adapters, `set_adapter` + fwd/bwd + AdamW per tenant
+    (d) one tenant  a single adapter holding all N tenants' sequences (same tokens as (a))
+    (e) no LoRA     the same packed tokens, base model only, backward to the input embeddings
+                    (the FLOP floor: LoRA adds ~1-2% FLOPs on top of this)
+Ratios to read: a/d (cost of many tenants vs one, physical limit 1.0), d/e (LoRA overhead),
+c/a (speed-up over peft serial) against its ceiling c/e; capture = (c/a) / (c/e) = e/a.
+
+    .venv/bin/python benchmarks/trainer_multitenant.py [--models tiny,SmolLM2-135M-Instruct] [--reps 3]
+
+Modes are interleaved within each repetition and the median is reported, so machine noise hits
+all modes alike; only the ratios are meaningful.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import typer
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM
+
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request
+from workers.trainer.engine import TrainerEngine
+from workers.trainer.packed_attention import SEQ_BOUNDS_KWARG
+
+RANK = 16
+TARGETS = LoraConfig().target_modules()  # attention, MLP and unembedding: Tinker's defaults
+ADAM = AdamParams(learning_rate=1e-4)
+WORKLOADS = {"2x128": (2, 128), "1x32": (1, 32)}
+RESULTS = Path(__file__).parent / "results" / "trainer_multitenant.md"
+
+
+def tenant_data(n_tenants: int, seqs: int, length: int, vocab: int) -> list[list[Datum]]:
+    gen = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(n_tenants):
+        tenant = []
+        for _ in range(seqs):
+            ids = torch.randint(0, vocab, (length + 1,), generator=gen)
+            tenant.append(Datum(ids[:-1], {"target_tokens": ids[1:], "weights": torch.ones(length)}))
+        data.append(tenant)
+    return data
+
+
+def round_batched(engine, data):
+    engine.forward_backward([ForwardBackwardInput(f"t{i}", d) for i, d in enumerate(data)])
+    engine.optim_step([(f"t{i}", ADAM) for i in range(len(data))])
+
+
+def round_per_tenant(engine, data):
+    for i, d in enumerate(data):
+        engine.forward_backward([ForwardBackwardInput(f"t{i}", d)])
+        engine.optim_step([(f"t{i}", ADAM)])
+
+
+def round_one_tenant(engine, data):
+    engine.forward_backward([ForwardBackwardInput("all", [d for tenant in data for d in tenant])])
+    engine.optim_step([("all", ADAM)])
+
+
+def round_lora_free(engine, data):
+    request = ForwardBackwardInput("all", [d for tenant in data for d in tenant])
+    batch = pack([prepare_request(0, request, engine.vocab_size, engine.max_seq_len)])
+    embeds = engine.model.get_input_embeddings()(batch.input_ids).detach().requires_grad_()
+    logits = engine.model(
+        inputs_embeds=embeds[None], position_ids=batch.position_ids[None], use_cache=False,
+        **{SEQ_BOUNDS_KWARG: batch.seq_bounds},
+    ).logits[0].float()
+    targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in request.data])
+    loss = -(logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, -1)).sum()
+    loss.backward()
+
+
+class PeftSerial:
+    """The baseline a user would write with peft: one model, N named adapters, one at a time."""
+
+    def __init__(self, model_path, n_tenants: int):
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        config = PeftLoraConfig(r=RANK, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS))
+        self.model = get_peft_model(base, config, adapter_name="t0")
+        for i in range(1, n_tenants):
+            self.model.add_adapter(f"t{i}", config)
+        self.optimizers = {}
+        for i in range(n_tenants):
+            params = [p for n, p in self.model.named_parameters() if f".t{i}." in n]
+            self.optimizers[f"t{i}"] = torch.optim.AdamW(params, lr=ADAM.learning_rate, betas=(0.9, 0.95),
+                                                         eps=ADAM.eps, fused=True)
+
+    def round(self, data):
+        for i, tenant in enumerate(data):
+            self.model.set_adapter(f"t{i}")
+            ids = torch.stack([torch.as_tensor(d.tokens) for d in tenant])
+            targets = torch.stack([d.loss_fn_inputs["target_tokens"] for d in tenant])
+            logits = self.model(input_ids=ids).logits.float()
+            loss = -(torch.log_softmax(logits, -1).gather(-1, targets[..., None])).sum()
+            loss.backward()
+            self.optimizers[f"t{i}"].step()
+            self.optimizers[f"t{i}"].zero_grad(set_to_none=True)
+
+
+def measure(model: str, tenants: list[int], reps: int) -> list[dict]:
+    engine = TrainerEngine(model)
+    max_n = max(tenants)
+    for i in range(max_n):
+        engine.create_adapter(f"t{i}", LoraConfig(rank=RANK, alpha=32, seed=i))
+    engine.create_adapter("all", LoraConfig(rank=RANK, alpha=32, seed=99))
+    peft_serial = PeftSerial(engine.model_path, max_n)
+    rows = []
+    for workload, (seqs, length) in WORKLOADS.items():
+        for n in tenants:
+            data = tenant_data(n, seqs, length, engine.vocab_size)
+            modes = {
+                "a": lambda: round_batched(engine, data),
+                "b": lambda: round_per_tenant(engine, data),
+                "c": lambda: peft_serial.round(data),
+                "d": lambda: round_one_tenant(engine, data),
+                "e": lambda: round_lora_free(engine, data),
+            }
+            times = {k: [] for k in modes}
+            for rep in range(reps + 1):  # the first repetition warms up and is discarded
+                for key, run in modes.items():
+                    started = time.perf_counter()
+                    run()
+                    if rep:
+                        times[key].append(time.perf_counter() - started)
+            t = {k: statistics.median(v) for k, v in times.items()}
+            row = {"model": model, "workload": workload, "N": n, **{f"{k}_ms": 1000 * v for k, v in t.items()}}
+            row.update({
+                "a/d": t["a"] / t["d"], "d/e": t["d"] / t["e"], "b/a": t["b"] / t["a"],
+                "c/a": t["c"] / t["a"], "c/e": t["c"] / t["e"], "capture": t["e"] / t["a"],
+            })
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+HEADER = ("| model | tenants x workload | a ms | b ms | c ms | d ms | e ms | a/d | d/e | b/a | c/a | c/e | capture |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_row(r: dict) -> str:
+    times = " | ".join(f"{r[f'{k}_ms']:.0f}" for k in "abcde")
+    ratios = " | ".join(f"{r[k]:.2f}" for k in ("a/d", "d/e", "b/a", "c/a", "c/e", "capture"))
+    return f"| {r['model']} | {r['N']} x {r['workload']} | {times} | {ratios} |"
+
+
+def main(models: str = "tiny,SmolLM2-135M-Instruct", tenants: str = "1,2,4,8", reps: int = 3,
+         write: bool = True) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)
+    print(HEADER)
+    rows = []
+    for model in models.split(","):
+        rows += measure(model, [int(n) for n in tenants.split(",")], reps)
+    if write:
+        RESULTS.parent.mkdir(exist_ok=True)
+        lines = [HEADER] + [format_row(r) for r in rows]
+        RESULTS.write_text(
+            f"Command: `.venv/bin/python benchmarks/trainer_multitenant.py --models {models} --tenants {tenants} "
+            f"--reps {reps}`\n\nTorch threads: {torch.get_num_threads()}, LoRA rank {RANK} on all linear "
+            f"layers, median of {reps} interleaved repetitions.\n\n" + "\n".join(lines) + "\n"
+        )
+        print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,138 @@
+"""Batch invariance, tenant isolation, sum semantics and gradient accumulation of the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
+from workers.models.registry import resolve_model
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers.trainer.engine import TrainerEngine
+
+
+@pytest.fixture
+def engine(tiny_model_path):
+    engine = TrainerEngine(tiny_model_path)
+    gen = torch.Generator().manual_seed(5)
+    for i, adapter_id in enumerate(["a", "b", "c"]):
+        adapter = engine.create_adapter(adapter_id, LoraConfig(rank=2 + 2 * i, seed=i))
+        with torch.no_grad():
+            for w in adapter.weights.values():
+                w.lora_b.copy_(0.1 * torch.randn(w.lora_b.shape, generator=gen))
+    return engine
+
+
+def datums(loss_fn: str, seed: int, lengths=(7, 4, 11), vocab=512):
+    gen = torch.Generator().manual_seed(seed)
+    return [random_datum(loss_fn, n, gen, vocab) for n in lengths]
+
+
+def grads(engine, adapter_id):
+    return {n: p.grad.clone() for n, p in engine.adapter(adapter_id).named_parameters()}
+
+
+def test_result_does_not_depend_on_the_rest_of_the_batch(engine):
+    mine = ForwardBackwardInput("a", datums("ppo", 1), "ppo")
+    alone = engine.forward_backward([mine])[0]
+    grads_alone = grads(engine, "a")
+    engine.adapter("a").zero_grad()
+
+    crowd = [
+        ForwardBackwardInput("b", datums("cross_entropy", 2, (30, 2)), "cross_entropy"),
+        ForwardBackwardInput("c", datums("importance_sampling", 3), "importance_sampling"),
+        ForwardBackwardInput("b", datums("gspo", 4), "gspo", forward_only=True),
+    ]
+    together = engine.forward_backward([crowd[0], mine, *crowd[1:]])[1]
+    assert together.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-6)
+    for a, b in zip(together.loss_fn_outputs, alone.loss_fn_outputs):
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], rtol=1e-6, atol=1e-6)
+    for name, g in grads(engine, "a").items():
+        assert rel_err(g, grads_alone[name]) <= 1e-5, name
+
+
+def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
+    for adapter_id in "abc":
+        engine.forward_backward([ForwardBackwardInput(adapter_id, datums("cross_entropy", 9), "cross_entropy")])
+    engine.optim_step([(a, AdamParams(1e-3)) for a in "bc"])  # b has optimizer state from here on
+    engine.forward_backward([ForwardBackwardInput("b", datums("cross_entropy", 10), "cross_entropy")])
+    b = engine.adapter("b")
+    before = {n: p.detach().clone() for n, p in b.named_parameters()}
+    grads_before = grads(engine, "b")
+    moments_before = {n: {k: v.clone() for k, v in b.optimizer.state[p].items()} for n, p in b.named_parameters()}
+
+    brutal = AdamParams(learning_rate=10.0, weight_decay=0.9, grad_clip_norm=1e-3)
+    engine.optim_step([("a", brutal), ("c", brutal)])
+
+    for n, p in b.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+        assert torch.equal(p.grad, grads_before[n]), n
+        for k, v in b.optimizer.state[p].items():
+            assert torch.equal(v, moments_before[n][k]), (n, k)
+    assert b.step == 1 and engine.adapter("a").step == 1 and engine.adapter("c").step == 2
+
+
+def test_weights_times_two_doubles_the_loss(engine):
+    data = datums("cross_entropy", 11)
+    once = engine.forward([ForwardBackwardInput("a", data)])[0].metrics["loss:sum"]
+    doubled = [Datum(d.tokens, {**d.loss_fn_inputs, "weights": 2 * d.loss_fn_inputs["weights"]}) for d in data]
+    twice = engine.forward([ForwardBackwardInput("a", doubled)])[0].metrics["loss:sum"]
+    assert twice == pytest.approx(2 * once, rel=1e-6)
+
+
+def test_duplicated_datum_doubles_loss_and_gradient(engine):
+    datum = datums("importance_sampling", 12, lengths=(9,))[0]
+    single = engine.forward_backward([ForwardBackwardInput("a", [datum], "importance_sampling")])[0]
+    g_single = grads(engine, "a")
+    engine.adapter("a").zero_grad()
+    double = engine.forward_backward([ForwardBackwardInput("a", [datum, datum], "importance_sampling")])[0]
+    assert double.metrics["loss:sum"] == pytest.approx(2 * single.metrics["loss:sum"], rel=1e-6)
+    for n, g in grads(engine, "a").items():
+        assert rel_err(g, 2 * g_single[n]) <= 1e-5
+
+
+def test_negative_weights_stay_finite(engine):
+    data = datums("cross_entropy", 13)
+    negative = [Datum(d.tokens, {**d.loss_fn_inputs, "weights": -d.loss_fn_inputs["weights"] - 1}) for d in data]
+    out = engine.forward_backward([ForwardBackwardInput("a", negative)])[0]
+    assert torch.isfinite(torch.tensor(out.metrics["loss:sum"])) and out.metrics["loss:sum"] < 0  # -logp * w, w < 0
+    assert all(torch.isfinite(p.grad).all() for p in engine.adapter("a").parameters())
+
+
+def test_gradients_accumulate_until_optim_step(engine):
+    first, second = datums("cross_entropy", 14), datums("cross_entropy", 15)
+    engine.forward_backward([ForwardBackwardInput("a", first)])
+    g_first = grads(engine, "a")
+    engine.adapter("a").zero_grad()
+    engine.forward_backward([ForwardBackwardInput("a", second)])
+    g_second = grads(engine, "a")
+    engine.adapter("a").zero_grad()
+
+    engine.forward_backward([ForwardBackwardInput("a", first)])
+    engine.forward_backward([ForwardBackwardInput("a", second)])
+    for n, g in grads(engine, "a").items():
+        assert rel_err(g, g_first[n] + g_second[n]) <= 1e-5
+    engine.optim_step([("a", AdamParams(1e-3))])
+    assert not engine.adapter("a").has_gradients()
+
+
+def test_forward_only_leaves_no_gradient(engine):
+    out = engine.forward([ForwardBackwardInput("a", datums("dro", 16), "dro")])[0]
+    assert len(out.loss_fn_outputs) == 3 and not engine.adapter("a").has_gradients()
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-qwen3"])
+def test_other_model_families_match_peft(family):
+    path = resolve_model(family)
+    engine = TrainerEngine(path)
+    adapter = engine.create_adapter("x", LoraConfig(rank=4, seed=3))
+    with torch.no_grad():
+        for w in adapter.weights.values():
+            w.lora_b.normal_(0, 0.1)
+    data = datums("cross_entropy", 17)
+    out = engine.forward([ForwardBackwardInput("x", data)])[0]
+    model = peft_model_like(adapter, path)
+    for d, o in zip(data, out.loss_fn_outputs):
+        expected = target_logprobs(model, d.tokens, d.loss_fn_inputs["target_tokens"]).detach()
+        assert rel_err(o["logprobs"], expected) <= 1e-5

@@ -1,0 +1,95 @@
+"""A batch mixing several adapters gives each one exactly what a single-adapter peft model gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.peft_reference import (
+    peft_model_like,
+    peft_param_name,
+    random_datum,
+    reference_loss,
+    rel_err,
+    target_logprobs,
+)
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import ForwardBackwardInput
+from workers.trainer.engine import TrainerEngine
+from workers.trainer.losses import LOSSES
+
+TOL = 1e-5
+ADAPTERS = {
+    "r2-attn": LoraConfig(rank=2, alpha=4, seed=1, train_mlp=False, train_unembed=False),
+    "r4-all": LoraConfig(rank=4, alpha=16, seed=2),
+    "r8-mlp-unembed": LoraConfig(rank=8, alpha=8, seed=3, train_attn=False),
+}
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
+
+
+def make_engine(model_path) -> TrainerEngine:
+    engine = TrainerEngine(model_path)
+    gen = torch.Generator().manual_seed(123)
+    for adapter_id, cfg in ADAPTERS.items():
+        adapter = engine.create_adapter(adapter_id, cfg)
+        with torch.no_grad():  # B starts at zero; make it non-zero so every gradient is non-trivial
+            for w in adapter.weights.values():
+                w.lora_b.copy_(0.1 * torch.randn(w.lora_b.shape, generator=gen))
+    return engine
+
+
+def requests_for(loss_fn: str, vocab: int, seed: int) -> list[ForwardBackwardInput]:
+    gen = torch.Generator().manual_seed(seed)
+    k = 3 if loss_fn == "cross_entropy" else None
+    reqs = []
+    for i, adapter_id in enumerate(ADAPTERS):
+        data = [random_datum(loss_fn, n, gen, vocab) for n in (5 + i, 9, 3)]
+        if k:  # one (N, K) datum: several targets per position
+            data.append(random_datum(loss_fn, 6, gen, vocab, k=k))
+        config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn in ("ppo", "gspo") else None
+        reqs.append(ForwardBackwardInput(adapter_id, data, loss_fn, config))
+    return reqs
+
+
+def check_against_peft(engine: TrainerEngine, requests, model_path) -> None:
+    results = engine.forward_backward(requests)
+    pre_step_grads = {
+        a: {n: p.grad.clone() for n, p in engine.adapter(a).named_parameters()} for a in ADAPTERS
+    }
+    peft_models = {a: peft_model_like(engine.adapter(a), model_path) for a in ADAPTERS}
+    engine.optim_step([(a, ADAM) for a in ADAPTERS])
+
+    for request, result in zip(requests, results):
+        adapter = engine.adapter(request.adapter_id)
+        model = peft_models[request.adapter_id]
+        config = dict(request.loss_fn_config or {})
+        total = torch.zeros(())
+        for datum, out in zip(request.data, result.loss_fn_outputs):
+            tlp = target_logprobs(model, datum.tokens, datum.loss_fn_inputs["target_tokens"])
+            assert rel_err(out["logprobs"], tlp.detach()) <= TOL
+            total = total + reference_loss(request.loss_fn, tlp, datum.loss_fn_inputs, config)
+        assert abs(result.metrics["loss:sum"] - total.item()) <= TOL * max(1.0, abs(total.item()))
+        total.backward()
+
+        peft_params = dict(model.named_parameters())
+        for path in adapter.weights:
+            for which in "AB":
+                ours = pre_step_grads[request.adapter_id][f"{path}.lora_{which}"]
+                assert rel_err(ours, peft_params[peft_param_name(path, which)].grad) <= TOL
+
+        lora_params = [peft_params[peft_param_name(path, w)] for path in adapter.weights for w in "AB"]
+        torch.nn.utils.clip_grad_norm_(lora_params, ADAM.grad_clip_norm)
+        opt = torch.optim.AdamW(
+            lora_params, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+            weight_decay=ADAM.weight_decay,
+        )
+        opt.step()
+        for path, w in adapter.weights.items():
+            assert rel_err(w.lora_a.detach(), peft_params[peft_param_name(path, "A")].detach()) <= TOL
+            assert rel_err(w.lora_b.detach(), peft_params[peft_param_name(path, "B")].detach()) <= TOL
+
+
+@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
+def test_batched_matches_single_adapter_peft(loss_fn, tiny_model_path):
+    engine = make_engine(tiny_model_path)
+    check_against_peft(engine, requests_for(loss_fn, engine.vocab_size, seed=7), tiny_model_path)

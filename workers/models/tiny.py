@@ -1,0 +1,107 @@
+"""Tiny, deterministic base models for tests and the embedded default.
+
+A byte-level BPE tokenizer is trained on a small built-in corpus and a randomly initialised
+causal LM is built from a config with a fixed seed: the same bytes every time, no downloads.
+head_dim is 32 because vLLM's CPU attention supports no smaller head size.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 512
+# ChatML, the format SmolLM2-Instruct uses too, so examples render the same way on both.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it you that he was for on are with as his they be at one have this from "
+    "or had by word but what some we can out other were all there when up use your how said each she "
+    "which do their time if will way about many then them write would like so these her long make thing "
+    "see him two has look more day could go come did number sound no most people my over know water "
+    "than call first who may down side been now find any new work part take get place made live where "
+    "after back little only round man year came show every good me give our under name very through "
+    "just form sentence great think say help low line differ turn cause much mean before move right boy "
+    "old too same tell does set three want air well also play small end put home read hand port large "
+    "spell add even land here must big high such follow act why ask men change went light kind off need "
+    "house picture try us again animal point mother world near build self earth father"
+).split()
+
+
+def tiny_corpus() -> list[str]:
+    """A few thousand deterministic lines: prose-like word runs, arithmetic and chat turns."""
+    lines = []
+    for i, (a, b) in enumerate(itertools.product(range(0, 60, 3), range(0, 50, 7))):
+        words = " ".join(_WORDS[(i * 7 + k * 13) % len(_WORDS)] for k in range(12))
+        lines.append(f"{words}.")
+        lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}")
+        lines.append(f"<|im_start|>user\nWhat is {a} - {b}?<|im_end|>\n<|im_start|>assistant\n{a - b}<|im_end|>")
+    return lines
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_config(arch: str, vocab_size: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # exercise grouped-query attention
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=32, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}")
+
+
+def build_tiny_model(dest: Path, arch: str = "llama", seed: int = 0) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    assert tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS) == [0, 1, 2], "special ids are baked into the config"
+    config = tiny_config(arch, vocab_size=len(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)

@@ -1,0 +1,1 @@
+"""Segmented gather matmul (SGMV) ops for multi-tenant LoRA: torch reference and Triton kernels."""

@@ -1,0 +1,144 @@
+"""The LoRA delta of many adapters over packed tokens, as one autograd function.
+
+Tokens are packed so that each adapter owns one contiguous row range (a segment). For segment s
+with adapter weights A_s [r_s, in], B_s [out, r_s] and scale s_s:
+
+    forward   v   = x_s @ A_s^T                 (shrink)
+              y_s += s_s * v @ B_s^T            (expand, added into the base output in place)
+    backward  g   = s_s * dY_s
+              dV  = g @ B_s                     (a shrink)
+              dX_s = dV @ A_s                   (an expand)
+              dB_s = g^T @ v,  dA_s = dV^T @ x_s (per-segment reductions over tokens)
+
+Two backends compute the same math: a segment loop with plain torch matmuls (CPU; it performs
+the same matmuls as peft, so results match peft bit for bit or nearly so), and Triton SGMV
+kernels over rank-padded stacked weights (GPU). Rows outside every segment get no delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    end: int
+    lora_a: torch.Tensor  # [rank, in_features]
+    lora_b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+
+BACKENDS = ("auto", "torch", "triton")  # auto: Triton on GPU tensors, the torch loop elsewhere
+
+
+def apply_segmented_lora(
+    x: torch.Tensor, base_out: torch.Tensor, segments: list[Segment], backend: str = "auto"
+) -> torch.Tensor:
+    """Return base_out + the LoRA delta of every segment (base_out is updated in place).
+
+    x: [..., in_features], base_out: [..., out_features] with the same leading dims; the
+    leading dims are flattened into one token axis.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown SGMV backend {backend!r}; choose from {BACKENDS}")
+    if not segments:
+        return base_out
+    use_triton = backend == "triton" or (backend == "auto" and x.is_cuda)
+    bounds = tuple((s.start, s.end) for s in segments)
+    scales = tuple(s.scale for s in segments)
+    weights = [s.lora_a.to(x.dtype) for s in segments] + [s.lora_b.to(x.dtype) for s in segments]
+    return _SegmentedLoRA.apply(x, base_out, bounds, scales, use_triton, *weights)
+
+
+class _SegmentedLoRA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, base_out, bounds, scales, use_triton, *weights):
+        n = len(bounds)
+        lora_as, lora_bs = weights[:n], weights[n:]
+        x2 = x.reshape(-1, x.shape[-1])
+        out2 = base_out.view(-1, base_out.shape[-1])
+        if use_triton:
+            shrunk = _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs)
+        else:
+            shrunk = []
+            for (start, end), a, b, scale in zip(bounds, lora_as, lora_bs, scales):
+                v = F.linear(x2[start:end], a)
+                out2[start:end] += F.linear(v, b) * scale
+                shrunk.append(v)
+        ctx.mark_dirty(base_out)
+        ctx.bounds, ctx.scales, ctx.use_triton, ctx.x_shape = bounds, scales, use_triton, x.shape
+        ctx.save_for_backward(x2, *lora_as, *lora_bs, *shrunk)
+        return base_out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        bounds, scales = ctx.bounds, ctx.scales
+        n = len(bounds)
+        saved = ctx.saved_tensors
+        x2, lora_as, lora_bs, shrunk = saved[0], saved[1 : 1 + n], saved[1 + n : 1 + 2 * n], saved[1 + 2 * n :]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        need_dx = ctx.needs_input_grad[0]
+        if ctx.use_triton:
+            dx, grad_as, grad_bs = _triton_backward(x2, g2, bounds, scales, lora_as, lora_bs, shrunk[0], need_dx)
+        else:
+            dx = torch.zeros_like(x2) if need_dx else None
+            grad_as, grad_bs = [], []
+            for (start, end), a, b, v, scale in zip(bounds, lora_as, lora_bs, shrunk, scales):
+                g = g2[start:end] * scale
+                dv = g @ b
+                grad_bs.append(g.t() @ v)
+                grad_as.append(dv.t() @ x2[start:end])
+                if need_dx:
+                    dx[start:end] = dv @ a
+        dx = dx.view(ctx.x_shape) if need_dx else None
+        return (dx, grad_out, None, None, None, *grad_as, *grad_bs)
+
+
+# --- GPU backend: Triton SGMV kernels over rank-padded stacked weights -------------------------
+
+
+def _stack_padded(mats, rank_dim: int) -> torch.Tensor:
+    """Stack matrices whose `rank_dim` differs (each adapter has its own rank), zero-padding it."""
+    max_rank = max(m.shape[rank_dim] for m in mats)
+    padded = []
+    for m in mats:
+        pad = max_rank - m.shape[rank_dim]
+        padded.append(F.pad(m, (0, pad) if rank_dim == 1 else (0, 0, 0, pad)) if pad else m)
+    return torch.stack(padded)
+
+
+def _segment_tensors(bounds, scales, device):
+    starts = torch.tensor([b[0] for b in bounds], dtype=torch.int64, device=device)
+    ends = torch.tensor([b[1] for b in bounds], dtype=torch.int64, device=device)
+    scale = torch.tensor(scales, dtype=torch.float32, device=device)
+    return starts, ends, scale
+
+
+def _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs):
+    from workers.sgmv import triton_kernels as tk
+
+    starts, ends, scale = _segment_tensors(bounds, scales, x2.device)
+    stacked_a = _stack_padded(lora_as, rank_dim=0)  # [S, R, in]
+    stacked_b = _stack_padded(lora_bs, rank_dim=1)  # [S, out, R]
+    v = tk.sgmv_shrink(x2, stacked_a, starts, ends)
+    tk.sgmv_expand(v, stacked_b, starts, ends, scale, out=out2, accumulate=True)
+    return [v]
+
+
+def _triton_backward(x2, g2, bounds, scales, lora_as, lora_bs, v, need_dx):
+    from workers.sgmv import triton_kernels as tk
+
+    starts, ends, scale = _segment_tensors(bounds, scales, x2.device)
+    stacked_a = _stack_padded(lora_as, rank_dim=0)
+    stacked_b = _stack_padded(lora_bs, rank_dim=1)
+    dv = tk.sgmv_shrink(g2, stacked_b.transpose(1, 2), starts, ends, scale)
+    dx = tk.sgmv_expand(dv, stacked_a.transpose(1, 2), starts, ends) if need_dx else None
+    stacked_grad_a = tk.sgmv_weight_grad(dv, x2, starts, ends)
+    stacked_grad_b = tk.sgmv_weight_grad(g2, v, starts, ends, scale)
+    grad_as = [stacked_grad_a[i, : a.shape[0]].to(a.dtype) for i, a in enumerate(lora_as)]
+    grad_bs = [stacked_grad_b[i, :, : b.shape[1]].to(b.dtype) for i, b in enumerate(lora_bs)]
+    return dx, grad_as, grad_bs

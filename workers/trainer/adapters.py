@@ -1,0 +1,139 @@
+"""Tenant adapters: LoRA weights, their gradients and AdamW state, one object per adapter.
+
+Memory grows with the adapters that exist (each holds only its own tensors), never with
+tenants x slots. Gradients accumulate in the weights' `.grad` across forward_backward calls
+until `optim_step` applies and clears them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from workers.trainer.errors import InvalidInputError
+from workers.trainer.lora_layers import target_module_names
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 16
+    alpha: float = 32.0
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def validate(self, max_rank: int) -> None:
+        if not isinstance(self.rank, int) or not 1 <= self.rank <= max_rank:
+            raise InvalidInputError("lora_config.rank", f"must be an integer in [1, {max_rank}], got {self.rank!r}")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise InvalidInputError("lora_config.alpha", f"must be a positive finite number, got {self.alpha!r}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise InvalidInputError("lora_config", "at least one of train_attn, train_mlp, train_unembed must be true")
+
+    def target_modules(self) -> tuple[str, ...]:
+        return target_module_names(self.train_attn, self.train_mlp, self.train_unembed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Tinker's AdamParams, with its defaults."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 disables clipping
+
+    def validate(self) -> None:
+        checks = {
+            "learning_rate": self.learning_rate >= 0,
+            "beta1": 0 <= self.beta1 < 1,
+            "beta2": 0 <= self.beta2 < 1,
+            "eps": self.eps > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "grad_clip_norm": self.grad_clip_norm >= 0,
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
+                raise InvalidInputError(f"adam_params.{name}", f"invalid value {value!r}")
+
+
+class LoraWeights(nn.Module):
+    """The A and B matrices of one adapter on one base Linear."""
+
+    def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        super().__init__()
+        self.lora_a = nn.Parameter(lora_a)  # [rank, in_features]
+        self.lora_b = nn.Parameter(lora_b)  # [out_features, rank]
+
+
+class Adapter:
+    def __init__(self, adapter_id: str, config: LoraConfig, weights: dict[str, LoraWeights]) -> None:
+        self.id = adapter_id
+        self.config = config
+        self.weights = weights  # module path in the base model -> weights
+        self.scale = config.alpha / config.rank
+        self.step = 0  # optimizer steps applied
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=0.0, fused=True)
+
+    @classmethod
+    def create(cls, adapter_id: str, config: LoraConfig, base_layers: dict[str, nn.Linear], dtype: torch.dtype):
+        """New adapter, initialised like peft: A ~ kaiming-uniform (seeded), B = 0, so it starts as a no-op."""
+        gen = torch.Generator().manual_seed(config.seed)
+        targets = set(config.target_modules())
+        weights = {}
+        for path, layer in base_layers.items():
+            if path.rsplit(".", 1)[-1] not in targets:
+                continue
+            lora_a = torch.empty(config.rank, layer.in_features, dtype=dtype)
+            nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=gen)
+            lora_b = torch.zeros(layer.out_features, config.rank, dtype=dtype)
+            device = layer.weight.device
+            weights[path] = LoraWeights(lora_a.to(device), lora_b.to(device))
+        return cls(adapter_id, config, weights)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for w in self.weights.values():
+            yield w.lora_a
+            yield w.lora_b
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for path, w in self.weights.items():
+            yield f"{path}.lora_A", w.lora_a
+            yield f"{path}.lora_B", w.lora_b
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def has_gradients(self) -> bool:
+        return any(p.grad is not None for p in self.parameters())
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """One AdamW step (decoupled weight decay, optional global-norm clipping) on this adapter only."""
+        params = list(self.parameters())
+        for p in params:
+            if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
+                p.grad = torch.zeros_like(p)
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        group = self.optimizer.param_groups[0]
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+        self.optimizer.step()
+        self.zero_grad()
+        self.step += 1
+        return {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(self.step)}

@@ -1,0 +1,182 @@
+"""Engine-level request types, their validation, and packing many requests into one sequence.
+
+Datum alignment follows Tinker: every loss_fn_inputs tensor has leading dim N = len(tokens),
+and position i of the input predicts target_tokens[i].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from workers.trainer.errors import InvalidInputError
+from workers.trainer.losses import FLOAT_INPUTS, LOSSES, LossSpec
+
+TensorLike = Tensor | np.ndarray | Sequence[Any]
+
+
+@dataclass
+class Datum:
+    tokens: TensorLike  # the model input, token ids
+    loss_fn_inputs: dict[str, TensorLike] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardBackwardInput:
+    """One request: datums of one adapter with one loss. `forward_only` computes outputs, no gradient."""
+
+    adapter_id: str
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_fn_outputs: list[dict[str, Tensor]]  # per datum, e.g. {"logprobs": float32 [N] or [N, K]}
+    metrics: dict[str, float]  # "name:reduction", e.g. "loss:sum"
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request: tensors converted, defaults filled."""
+
+    index: int  # position in the caller's list
+    request: ForwardBackwardInput
+    spec: LossSpec
+    tokens: list[Tensor]  # int64 [N_d] per datum
+    inputs: list[dict[str, Tensor]]  # per datum, every input the loss reads
+    config: dict[str, float]
+
+
+def _as_tensor(value: TensorLike, where: str) -> Tensor:
+    try:
+        return value if isinstance(value, Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(where, f"not a numeric array ({e})") from None
+
+
+def _token_ids(value: TensorLike, where: str, vocab_size: int) -> Tensor:
+    t = _as_tensor(value, where)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidInputError(where, f"token ids must be integers, got dtype {t.dtype}")
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        bad = t[(t < 0) | (t >= vocab_size)][0].item()
+        raise InvalidInputError(where, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return t
+
+
+def _validate_config(loss_fn: str, spec: LossSpec, config: dict[str, Any] | None) -> dict[str, float]:
+    merged = dict(spec.config_defaults)
+    for key, value in (config or {}).items():
+        where = f"loss_fn_config[{key!r}]"
+        if key not in spec.config_defaults:
+            known = sorted(spec.config_defaults) or "none"
+            raise InvalidInputError(where, f"not a setting of {loss_fn} (settings: {known})")
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise InvalidInputError(where, f"must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InvalidInputError(where, f"must be a finite number, got {value!r}")
+        merged[key] = float(value)
+    if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
+        raise InvalidInputError("loss_fn_config", "clip_low_threshold must not exceed clip_high_threshold")
+    return merged
+
+
+def _validate_datum(i: int, datum: Datum, loss_fn: str, spec: LossSpec, vocab_size: int, max_len: int):
+    tokens = _token_ids(datum.tokens, f"data[{i}].model_input", vocab_size)
+    if tokens.dim() != 1 or tokens.numel() == 0:
+        raise InvalidInputError(f"data[{i}].model_input", f"must be a non-empty list of tokens, got shape {tuple(tokens.shape)}")
+    n = tokens.numel()
+    if n > max_len:
+        raise InvalidInputError(f"data[{i}].model_input", f"{n} tokens exceed the model's context of {max_len}")
+
+    allowed = set(spec.required_inputs) | set(spec.optional_inputs)
+    for key in datum.loss_fn_inputs:
+        if key not in allowed:
+            raise InvalidInputError(f"data[{i}].loss_fn_inputs[{key!r}]", f"not an input of {loss_fn} (inputs: {sorted(allowed)})")
+    for key in spec.required_inputs:
+        if key not in datum.loss_fn_inputs:
+            raise InvalidInputError(f"data[{i}].loss_fn_inputs[{key!r}]", f"required by {loss_fn} but missing")
+
+    where = f"data[{i}].loss_fn_inputs['target_tokens']"
+    targets = _token_ids(datum.loss_fn_inputs["target_tokens"], where, vocab_size)
+    allowed_dims = (1, 2) if spec.multi_target else (1,)
+    if targets.dim() not in allowed_dims or targets.shape[0] != n or (targets.dim() == 2 and targets.shape[1] == 0):
+        expected = f"({n},) or ({n}, K)" if spec.multi_target else f"({n},)"
+        raise InvalidInputError(where, f"shape {tuple(targets.shape)} does not match the model input: expected {expected}")
+
+    inputs = {"target_tokens": targets}
+    for key in FLOAT_INPUTS:
+        if key not in allowed:
+            continue
+        where = f"data[{i}].loss_fn_inputs[{key!r}]"
+        if key in datum.loss_fn_inputs:
+            t = _as_tensor(datum.loss_fn_inputs[key], where)
+            if not (t.dtype.is_floating_point or t.dtype in (torch.int32, torch.int64, torch.bool)):
+                raise InvalidInputError(where, f"must be numbers, got dtype {t.dtype}")
+            t = t.to(torch.float32)
+            if t.shape != targets.shape:
+                raise InvalidInputError(where, f"shape {tuple(t.shape)} does not match target_tokens {tuple(targets.shape)}")
+            if not torch.isfinite(t).all():
+                raise InvalidInputError(where, "contains NaN or infinity")
+        else:
+            t = torch.full(targets.shape, spec.optional_inputs[key], dtype=torch.float32)
+        inputs[key] = t
+    return tokens, inputs
+
+
+def prepare_request(index: int, request: ForwardBackwardInput, vocab_size: int, max_len: int) -> PreparedRequest:
+    """Validate one request completely (no state is touched); raise InvalidInputError naming the field."""
+    spec = LOSSES.get(request.loss_fn)
+    if spec is None:
+        raise InvalidInputError("loss_fn", f"unknown loss {request.loss_fn!r}; known: {sorted(LOSSES)}")
+    if not request.data:
+        raise InvalidInputError("data", "must contain at least one datum")
+    config = _validate_config(request.loss_fn, spec, request.loss_fn_config)
+    tokens, inputs = [], []
+    for i, datum in enumerate(request.data):
+        t, inp = _validate_datum(i, datum, request.loss_fn, spec, vocab_size, max_len)
+        tokens.append(t)
+        inputs.append(inp)
+    return PreparedRequest(index, request, spec, tokens, inputs, config)
+
+
+@dataclass
+class PackedBatch:
+    """All datums of a batch as one token row, grouped by adapter so each adapter is one segment."""
+
+    input_ids: Tensor  # [T]
+    position_ids: Tensor  # [T], restarting at 0 for every datum
+    seq_bounds: list[int]  # datum boundaries in the row: [0, n_0, n_0 + n_1, ..., T]
+    adapter_spans: list[tuple[str, int, int]]  # (adapter id, start, end)
+    datum_offsets: dict[int, list[int]]  # request index -> start row of each of its datums
+
+
+def pack(requests: list[PreparedRequest]) -> PackedBatch:
+    order: dict[str, list[PreparedRequest]] = {}
+    for r in requests:
+        order.setdefault(r.request.adapter_id, []).append(r)
+    tokens, bounds, spans, offsets = [], [0], [], {}
+    for adapter_id, reqs in order.items():
+        span_start = bounds[-1]
+        for r in reqs:
+            offsets[r.index] = []
+            for t in r.tokens:
+                offsets[r.index].append(bounds[-1])
+                tokens.append(t)
+                bounds.append(bounds[-1] + t.numel())
+        spans.append((adapter_id, span_start, bounds[-1]))
+    input_ids = torch.cat(tokens)
+    position_ids = torch.cat([torch.arange(t.numel()) for t in tokens])
+    return PackedBatch(input_ids, position_ids, bounds, spans, offsets)

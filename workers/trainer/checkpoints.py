@@ -1,0 +1,172 @@
+"""Adapter checkpoints: PEFT folders for samplers, full training state for resuming.
+
+Both are folders written atomically: everything goes into a temporary sibling folder that is
+renamed into place only when complete. A training state carries the SHA-256 of its tensors,
+verified on load, so a truncated or altered checkpoint is refused instead of trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from workers.trainer.adapters import Adapter, LoraConfig, LoraWeights
+from workers.trainer.errors import EngineError, InvalidInputError
+
+STATE_FORMAT = "loraplex-training-state/1"
+STATE_TENSORS = "state.safetensors"
+MANIFEST = "manifest.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+class CheckpointError(EngineError):
+    """A checkpoint that is missing, corrupt, or does not fit this base model."""
+
+    category = "user"
+
+
+@contextmanager
+def atomic_folder(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder; on success it replaces `dest` in one rename."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield staging
+        if dest.exists():  # overwrite: move the old folder aside first (a dir rename cannot replace a non-empty dir)
+            trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, trash / "old")
+            os.replace(staging, dest)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- PEFT folder (sampler weights) -------------------------------------------------------------
+
+
+def save_peft_adapter(adapter: Adapter, path: str | Path, base_model_path: str | Path) -> Path:
+    """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    cfg = adapter.config
+    peft_config = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=0.0,
+        target_modules=list(cfg.target_modules()),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(base_model_path),
+        inference_mode=True,
+    )
+    tensors = {}
+    for path_in_model, w in adapter.weights.items():
+        prefix = f"base_model.model.{path_in_model}"
+        tensors[f"{prefix}.lora_A.weight"] = w.lora_a.detach().cpu().contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = w.lora_b.detach().cpu().contiguous()
+    with atomic_folder(path) as tmp:
+        peft_config.save_pretrained(tmp)
+        save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+    return Path(path)
+
+
+# --- training state ----------------------------------------------------------------------------
+
+
+def save_training_state(adapter: Adapter, path: str | Path) -> Path:
+    tensors = {}
+    for name, p in adapter.named_parameters():
+        tensors[f"weight/{name}"] = p.detach().cpu().contiguous()
+        state = adapter.optimizer.state.get(p)
+        if state:
+            tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
+            tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
+    with atomic_folder(path) as tmp:
+        save_file(tensors, tmp / STATE_TENSORS)
+        manifest = {
+            "format": STATE_FORMAT,
+            "adapter_id": adapter.id,
+            "lora_config": adapter.config.to_dict(),
+            "step": adapter.step,
+            "has_optimizer_state": any(k.startswith("exp_avg/") for k in tensors),
+            "tensors_sha256": _sha256(tmp / STATE_TENSORS),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return Path(path)
+
+
+def _read_verified(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    manifest_path, tensors_path = path / MANIFEST, path / STATE_TENSORS
+    if not manifest_path.is_file() or not tensors_path.is_file():
+        raise CheckpointError(f"{path} is not a training-state checkpoint (missing {MANIFEST} or {STATE_TENSORS})")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest_path} is not valid JSON: {e}") from None
+    if manifest.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{path}: unsupported checkpoint format {manifest.get('format')!r}")
+    if _sha256(tensors_path) != manifest.get("tensors_sha256"):
+        raise CheckpointError(f"{tensors_path} failed its integrity check (SHA-256 differs from the manifest)")
+    return manifest, load_file(tensors_path)
+
+
+def load_training_state(
+    adapter_id: str,
+    path: str | Path,
+    base_layers: dict[str, nn.Linear],
+    dtype: torch.dtype,
+    max_rank: int,
+    *,
+    with_optimizer: bool = True,
+) -> Adapter:
+    path = Path(path)
+    manifest, tensors = _read_verified(path)
+    config = LoraConfig(**manifest["lora_config"])
+    try:
+        config.validate(max_rank)
+    except InvalidInputError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    weights = {}
+    for module_path in base_layers:
+        a, b = tensors.get(f"weight/{module_path}.lora_A"), tensors.get(f"weight/{module_path}.lora_B")
+        if a is None:
+            continue
+        layer = base_layers[module_path]
+        if b is None or a.shape != (config.rank, layer.in_features) or b.shape != (layer.out_features, config.rank):
+            raise CheckpointError(f"{path}: weights of {module_path} do not fit this base model")
+        device = layer.weight.device
+        weights[module_path] = LoraWeights(a.to(device, dtype), b.to(device, dtype))
+    expected = {n for n in base_layers if n.rsplit(".", 1)[-1] in config.target_modules()}
+    if set(weights) != expected:
+        raise CheckpointError(f"{path}: its modules do not match this base model's layers")
+    adapter = Adapter(adapter_id, config, weights)
+    if with_optimizer and manifest.get("has_optimizer_state"):
+        adapter.step = int(manifest["step"])
+        for name, p in adapter.named_parameters():
+            adapter.optimizer.state[p] = {
+                "step": torch.tensor(float(adapter.step), dtype=torch.float32, device=p.device),
+                "exp_avg": tensors[f"exp_avg/{name}"].to(p.device, p.dtype),
+                "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device, p.dtype),
+            }
+    return adapter

@@ -1,0 +1,194 @@
+"""The trainer engine: one frozen base model, many tenants' adapters, batched passes.
+
+`forward_backward` takes requests of many adapters, validates each one on its own (a bad one
+fails alone, before any state changes), packs all valid datums into one token row grouped by
+adapter, runs the base model once with every token routed through its own adapter (SGMV),
+computes each request's loss and backpropagates the sum. Each adapter's gradient depends only on
+its own tokens, so the batched result equals each request run alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from workers.models.registry import resolve_model
+from workers.trainer import checkpoints
+from workers.trainer.adapters import Adapter, AdamParams, LoraConfig
+from workers.trainer.batch import (
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    PackedBatch,
+    PreparedRequest,
+    pack,
+    prepare_request,
+)
+from workers.trainer.errors import EngineError, InvalidInputError, UnknownAdapterError
+from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
+from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, SEQ_BOUNDS_KWARG
+
+
+class TrainerEngine:
+    def __init__(
+        self,
+        base_model: str | Path = "tiny",
+        *,
+        max_rank: int = 64,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        cache_dir: str | Path | None = None,
+        sgmv_backend: str = "auto",
+    ) -> None:
+        self.model_path = resolve_model(str(base_model), cache_dir)
+        self.base_model_name = str(base_model)
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        ).to(self.device)
+        self.model.eval()  # no dropout: results must be deterministic and batch invariant
+        self.model.requires_grad_(False)
+        self.router = Router(sgmv_backend)
+        self.base_layers = wrap_linear_layers(self.model, self.router)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_seq_len = self.model.config.max_position_embeddings
+        self.adapters: dict[str, Adapter] = {}
+
+    # --- adapters --------------------------------------------------------------------------------
+
+    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> Adapter:
+        config = config or LoraConfig()
+        config.validate(self.max_rank)
+        if adapter_id in self.adapters:
+            raise InvalidInputError("adapter_id", f"adapter {adapter_id!r} already exists")
+        adapter = Adapter.create(adapter_id, config, self.base_layers, self.dtype)
+        self.adapters[adapter_id] = adapter
+        return adapter
+
+    def delete_adapter(self, adapter_id: str) -> None:
+        if self.adapters.pop(adapter_id, None) is None:
+            raise UnknownAdapterError(adapter_id)
+
+    def adapter(self, adapter_id: str) -> Adapter:
+        try:
+            return self.adapters[adapter_id]
+        except KeyError:
+            raise UnknownAdapterError(adapter_id) from None
+
+    # --- forward / backward ----------------------------------------------------------------------
+
+    def forward(self, requests: list[ForwardBackwardInput]) -> list[ForwardBackwardOutput | EngineError]:
+        return self.forward_backward([replace(r, forward_only=True) for r in requests])
+
+    def forward_backward(
+        self, requests: list[ForwardBackwardInput]
+    ) -> list[ForwardBackwardOutput | EngineError]:
+        """One batched pass over many adapters' requests; results (or errors) in request order."""
+        results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(requests)
+        prepared: list[PreparedRequest] = []
+        for i, request in enumerate(requests):
+            try:
+                self.adapter(request.adapter_id)
+                prepared.append(prepare_request(i, request, self.vocab_size, self.max_seq_len))
+            except InvalidInputError as e:
+                results[i] = e
+        if prepared:
+            for p, out in zip(prepared, self._run(prepared)):
+                results[p.index] = out
+        return results  # type: ignore[return-value]
+
+    def _run(self, prepared: list[PreparedRequest]) -> list[ForwardBackwardOutput]:
+        batch = pack(prepared)
+        needs_grad = any(not p.request.forward_only for p in prepared)
+        plan = RoutingPlan([(self.adapters[a], start, end) for a, start, end in batch.adapter_spans])
+        with torch.set_grad_enabled(needs_grad):
+            logits, log_normalizer = self._logits(batch, plan)
+            outputs, total_loss = [], None
+            for p in prepared:
+                out, loss = self._request_loss(p, batch, logits, log_normalizer)
+                outputs.append(out)
+                if not p.request.forward_only:
+                    total_loss = loss if total_loss is None else total_loss + loss
+        if total_loss is not None:
+            total_loss.backward()  # gradients accumulate into each adapter's own .grad
+        return outputs
+
+    def _logits(self, batch: PackedBatch, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
+        self.router.plan = plan
+        try:
+            logits = self.model(
+                input_ids=batch.input_ids[None].to(self.device),
+                position_ids=batch.position_ids[None].to(self.device),
+                use_cache=False,
+                **{SEQ_BOUNDS_KWARG: batch.seq_bounds},
+            ).logits[0]
+        finally:
+            self.router.plan = None
+        logits = logits.float()
+        return logits, torch.logsumexp(logits, dim=-1)
+
+    def _request_loss(self, p: PreparedRequest, batch: PackedBatch, logits: Tensor, log_normalizer: Tensor):
+        """Loss and per-datum target logprobs of one request, vectorised over its datums.
+
+        Datums with (N,) and (N, K) targets may share a request; each shape is one group."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for d, inputs in enumerate(p.inputs):
+            groups.setdefault(tuple(inputs["target_tokens"].shape[1:]), []).append(d)
+        per_datum: list[Tensor | None] = [None] * len(p.tokens)
+        loss = torch.zeros((), device=self.device)
+        for datums in groups.values():
+            offsets = batch.datum_offsets[p.index]
+            lengths = [p.tokens[d].numel() for d in datums]
+            rows = torch.cat([torch.arange(offsets[d], offsets[d] + n) for d, n in zip(datums, lengths)])
+            rows = rows.to(self.device)
+            inputs = {k: torch.cat([p.inputs[d][k] for d in datums]).to(self.device) for k in p.inputs[datums[0]]}
+            targets = inputs.pop("target_tokens")
+            if targets.dim() == 1:
+                tlp = logits[rows, targets] - log_normalizer[rows]
+            else:  # K targets per position
+                tlp = logits[rows[:, None], targets] - log_normalizer[rows, None]
+            datum_index = torch.repeat_interleave(
+                torch.arange(len(datums), device=self.device), torch.tensor(lengths, device=self.device)
+            )
+            loss = loss + p.spec.fn(tlp, inputs, p.config, datum_index, len(datums)).sum()
+            for d, lp in zip(datums, tlp.detach().cpu().split(lengths)):
+                per_datum[d] = lp
+        output = ForwardBackwardOutput(
+            loss_fn_outputs=[{"logprobs": lp} for lp in per_datum],
+            metrics={"loss:sum": float(loss.detach())},
+        )
+        return output, loss
+
+    # --- optimizer -------------------------------------------------------------------------------
+
+    def optim_step(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | EngineError]:
+        """AdamW on many adapters in one call, each with its own hyperparameters and step count."""
+        results: list[dict[str, float] | EngineError] = []
+        for adapter_id, adam in steps:
+            try:
+                adam.validate()
+                results.append(self.adapter(adapter_id).optim_step(adam))
+            except InvalidInputError as e:
+                results.append(e)
+        return results
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save_sampler_weights(self, adapter_id: str, path: str | Path) -> Path:
+        return checkpoints.save_peft_adapter(self.adapter(adapter_id), path, self.model_path)
+
+    def save_state(self, adapter_id: str, path: str | Path) -> Path:
+        return checkpoints.save_training_state(self.adapter(adapter_id), path)
+
+    def load_state(self, adapter_id: str, path: str | Path, *, with_optimizer: bool = True) -> Adapter:
+        """Create (or replace) `adapter_id` from a training-state checkpoint."""
+        adapter = checkpoints.load_training_state(
+            adapter_id, path, self.base_layers, self.dtype, self.max_rank, with_optimizer=with_optimizer
+        )
+        self.adapters[adapter_id] = adapter
+        return adapter

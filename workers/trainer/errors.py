@@ -1,0 +1,23 @@
+"""Errors the engine reports per request, in the Tinker categories ("user" = the caller's fault)."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    category = "server"
+
+
+class InvalidInputError(EngineError, ValueError):
+    """Bad input, raised before any state changes. `field` names where it is, e.g. data[3].loss_fn_inputs['weights']."""
+
+    category = "user"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class UnknownAdapterError(InvalidInputError):
+    def __init__(self, adapter_id: str) -> None:
+        super().__init__("adapter_id", f"no adapter {adapter_id!r}")
