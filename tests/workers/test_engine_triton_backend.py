@@ -1,19 +1,14 @@
 """The engine gives the same numbers with the Triton SGMV kernels as with the torch segment loop.
 
-Without a GPU the kernels run under the Triton interpreter (set before the kernels are imported).
+Without a GPU the kernels run under the Triton interpreter (see tests/conftest.py).
 """
-
-import os
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tests.workers.peft_reference import random_datum, rel_err  # noqa: E402
-from workers.trainer.adapters import LoraConfig  # noqa: E402
-from workers.trainer.batch import ForwardBackwardInput  # noqa: E402
-from workers.trainer.engine import TrainerEngine  # noqa: E402
+from tests.workers.peft_reference import random_datum, rel_err
+from workers.trainer.adapters import LoraConfig
+from workers.trainer.batch import ForwardBackwardInput
+from workers.trainer.engine import TrainerEngine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

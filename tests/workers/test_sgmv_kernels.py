@@ -7,18 +7,11 @@ On a CUDA machine the same tests exercise the compiled kernels.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-# Must happen before the kernel module is imported: @triton.jit reads it at decoration.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from workers.sgmv import reference as ref  # noqa: E402
-from workers.sgmv import triton_kernels as tk  # noqa: E402
+from workers.sgmv import reference as ref
+from workers.sgmv import triton_kernels as tk  # runs under the interpreter without a GPU: see tests/conftest.py
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]

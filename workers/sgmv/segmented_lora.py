@@ -67,7 +67,8 @@ class _SegmentedLoRA(torch.autograd.Function):
             shrunk = []
             for (start, end), a, b, scale in zip(bounds, lora_as, lora_bs, scales):
                 v = F.linear(x2[start:end], a)
-                out2[start:end] += F.linear(v, b) * scale
+                # in place with the scale folded in: no [tokens, out] temporaries (out can be a vocab wide)
+                out2[start:end].addmm_(v, b.t(), alpha=scale)
                 shrunk.append(v)
         ctx.mark_dirty(base_out)
         ctx.bounds, ctx.scales, ctx.use_triton, ctx.x_shape = bounds, scales, use_triton, x.shape
@@ -85,17 +86,29 @@ class _SegmentedLoRA(torch.autograd.Function):
         if ctx.use_triton:
             dx, grad_as, grad_bs = _triton_backward(x2, g2, bounds, scales, lora_as, lora_bs, shrunk[0], need_dx)
         else:
-            dx = torch.zeros_like(x2) if need_dx else None
+            dx = _zeros_outside(x2, bounds) if need_dx else None
             grad_as, grad_bs = [], []
             for (start, end), a, b, v, scale in zip(bounds, lora_as, lora_bs, shrunk, scales):
-                g = g2[start:end] * scale
-                dv = g @ b
-                grad_bs.append(g.t() @ v)
+                g = g2[start:end]
+                # scale the small [tokens, rank] / [out, rank] products, never the [tokens, out] gradient
+                dv = (g @ b).mul_(scale)
+                grad_bs.append((g.t() @ v).mul_(scale))
                 grad_as.append(dv.t() @ x2[start:end])
                 if need_dx:
-                    dx[start:end] = dv @ a
+                    torch.mm(dv, a, out=dx[start:end])
         dx = dx.view(ctx.x_shape) if need_dx else None
         return (dx, grad_out, None, None, None, *grad_as, *grad_bs)
+
+
+def _zeros_outside(x2: torch.Tensor, bounds) -> torch.Tensor:
+    """An uninitialised tensor like x2 whose rows outside every segment are zero."""
+    out = torch.empty_like(x2)
+    previous_end = 0
+    for start, end in bounds:
+        out[previous_end:start] = 0
+        previous_end = end
+    out[previous_end:] = 0
+    return out
 
 
 # --- GPU backend: Triton SGMV kernels over rank-padded stacked weights -------------------------
