@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.packed_attention import SEQ_BOUNDS_KWARG
+from workers.trainer.lora_layers import RoutingPlan
 
 RANK = 16
 TARGETS = LoraConfig().target_modules()  # attention, MLP and unembedding: Tinker's defaults
@@ -70,16 +70,17 @@ def round_one_tenant(engine, data):
 
 
 def round_lora_free(engine, data):
+    """The engine's own pass with an empty routing plan; gradients flow to the embedding table
+    (a cheap scatter) so the backward runs through every layer, as it must with LoRA."""
     request = ForwardBackwardInput("all", [d for tenant in data for d in tenant])
     batch = pack([prepare_request(0, request, engine.vocab_size, engine.max_seq_len)])
-    embeds = engine.model.get_input_embeddings()(batch.input_ids).detach().requires_grad_()
-    logits = engine.model(
-        inputs_embeds=embeds[None], position_ids=batch.position_ids[None], use_cache=False,
-        **{SEQ_BOUNDS_KWARG: batch.seq_bounds},
-    ).logits[0].float()
-    targets = torch.cat([d.loss_fn_inputs["target_tokens"] for d in request.data])
-    loss = -(logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, -1)).sum()
-    loss.backward()
+    embedding = engine.model.get_input_embeddings().weight
+    embedding.requires_grad_(True)
+    try:
+        engine.target_logprobs(batch, RoutingPlan([]))[:, 0].sum().backward()
+    finally:
+        embedding.requires_grad_(False)
+        embedding.grad = None
 
 
 class PeftSerial:

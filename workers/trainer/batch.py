@@ -158,6 +158,7 @@ class PackedBatch:
 
     input_ids: Tensor  # [T]
     position_ids: Tensor  # [T], restarting at 0 for every datum
+    targets: Tensor  # [T, K_max] target ids of every row ((N,) targets in column 0; padding is 0)
     seq_bounds: list[int]  # datum boundaries in the row: [0, n_0, n_0 + n_1, ..., T]
     adapter_spans: list[tuple[str, int, int]]  # (adapter id, start, end)
     datum_offsets: dict[int, list[int]]  # request index -> start row of each of its datums
@@ -167,16 +168,19 @@ def pack(requests: list[PreparedRequest]) -> PackedBatch:
     order: dict[str, list[PreparedRequest]] = {}
     for r in requests:
         order.setdefault(r.request.adapter_id, []).append(r)
-    tokens, bounds, spans, offsets = [], [0], [], {}
+    tokens, targets, bounds, spans, offsets = [], [], [0], [], {}
     for adapter_id, reqs in order.items():
         span_start = bounds[-1]
         for r in reqs:
             offsets[r.index] = []
-            for t in r.tokens:
+            for t, inputs in zip(r.tokens, r.inputs):
                 offsets[r.index].append(bounds[-1])
                 tokens.append(t)
+                targets.append(inputs["target_tokens"].reshape(t.numel(), -1))
                 bounds.append(bounds[-1] + t.numel())
         spans.append((adapter_id, span_start, bounds[-1]))
     input_ids = torch.cat(tokens)
     position_ids = torch.cat([torch.arange(t.numel()) for t in tokens])
-    return PackedBatch(input_ids, position_ids, bounds, spans, offsets)
+    k_max = max(t.shape[1] for t in targets)
+    target_matrix = torch.cat([torch.nn.functional.pad(t, (0, k_max - t.shape[1])) for t in targets])
+    return PackedBatch(input_ids, position_ids, target_matrix, bounds, spans, offsets)

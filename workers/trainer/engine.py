@@ -107,10 +107,10 @@ class TrainerEngine:
         needs_grad = any(not p.request.forward_only for p in prepared)
         plan = RoutingPlan([(self.adapters[a], start, end) for a, start, end in batch.adapter_spans])
         with torch.set_grad_enabled(needs_grad):
-            logits, log_normalizer = self._logits(batch, plan)
+            target_logprobs = self.target_logprobs(batch, plan)
             outputs, total_loss = [], None
             for p in prepared:
-                out, loss = self._request_loss(p, batch, logits, log_normalizer)
+                out, loss = self._request_loss(p, batch, target_logprobs)
                 outputs.append(out)
                 if not p.request.forward_only:
                     total_loss = loss if total_loss is None else total_loss + loss
@@ -118,7 +118,11 @@ class TrainerEngine:
             total_loss.backward()  # gradients accumulate into each adapter's own .grad
         return outputs
 
-    def _logits(self, batch: PackedBatch, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
+    def target_logprobs(self, batch: PackedBatch, plan: RoutingPlan) -> Tensor:
+        """log p(target) for every row and target column of the packed batch: [T, K_max].
+
+        One gather over the whole batch: per-request indexing of the [T, vocab] logits would
+        make the backward materialise a [T, vocab] gradient once per request."""
         self.router.plan = plan
         try:
             logits = self.model(
@@ -129,10 +133,11 @@ class TrainerEngine:
             ).logits[0]
         finally:
             self.router.plan = None
-        logits = logits.float()
-        return logits, torch.logsumexp(logits, dim=-1)
+        # log_softmax + gather: its backward is one fused pass over [T, vocab], where
+        # logsumexp's takes several (sub, exp, mul, add), each allocating a [T, vocab] tensor.
+        return torch.log_softmax(logits.float(), dim=-1).gather(1, batch.targets.to(self.device))
 
-    def _request_loss(self, p: PreparedRequest, batch: PackedBatch, logits: Tensor, log_normalizer: Tensor):
+    def _request_loss(self, p: PreparedRequest, batch: PackedBatch, target_logprobs: Tensor):
         """Loss and per-datum target logprobs of one request, vectorised over its datums.
 
         Datums with (N,) and (N, K) targets may share a request; each shape is one group."""
@@ -148,10 +153,7 @@ class TrainerEngine:
             rows = rows.to(self.device)
             inputs = {k: torch.cat([p.inputs[d][k] for d in datums]).to(self.device) for k in p.inputs[datums[0]]}
             targets = inputs.pop("target_tokens")
-            if targets.dim() == 1:
-                tlp = logits[rows, targets] - log_normalizer[rows]
-            else:  # K targets per position
-                tlp = logits[rows[:, None], targets] - log_normalizer[rows, None]
+            tlp = target_logprobs[rows, 0] if targets.dim() == 1 else target_logprobs[rows, : targets.shape[1]]
             datum_index = torch.repeat_interleave(
                 torch.arange(len(datums), device=self.device), torch.tensor(lengths, device=self.device)
             )
