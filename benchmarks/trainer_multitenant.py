@@ -70,17 +70,16 @@ def round_one_tenant(engine, data):
 
 
 def round_lora_free(engine, data):
-    """The engine's own pass with an empty routing plan; gradients flow to the embedding table
-    (a cheap scatter) so the backward runs through every layer, as it must with LoRA."""
+    """The engine's own pass with an empty routing plan. The embeddings' output is made to
+    require grad, so the backward runs through every layer as it must with LoRA, while no
+    weight gradient is computed (not even the tied lm_head's)."""
     request = ForwardBackwardInput("all", [d for tenant in data for d in tenant])
     batch = pack([prepare_request(0, request, engine.vocab_size, engine.max_seq_len)])
-    embedding = engine.model.get_input_embeddings().weight
-    embedding.requires_grad_(True)
+    hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_())
     try:
         engine.target_logprobs(batch, RoutingPlan([]))[:, 0].sum().backward()
     finally:
-        embedding.requires_grad_(False)
-        embedding.grad = None
+        hook.remove()
 
 
 class PeftSerial:
