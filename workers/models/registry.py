@@ -101,3 +101,22 @@ def resolve_model(name: str, cache_dir: Path | str | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API needs to know of a served base model without loading its weights."""
+
+    name: str  # the name clients use
+    path: Path  # local HF folder (also the tokenizer's folder)
+    arch: str
+    vocab_size: int
+    max_context: int
+
+
+def model_info(name: str, cache_dir: Path | str | None = None) -> ModelInfo:
+    from transformers import AutoConfig
+
+    path = resolve_model(name, cache_dir)
+    config = AutoConfig.from_pretrained(path)
+    return ModelInfo(name, path, config.model_type, config.vocab_size, config.max_position_embeddings)

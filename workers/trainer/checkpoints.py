@@ -94,7 +94,8 @@ def save_peft_adapter(adapter: Adapter, path: str | Path, base_model_path: str |
 # --- training state ----------------------------------------------------------------------------
 
 
-def save_training_state(adapter: Adapter, path: str | Path) -> Path:
+def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None = None) -> Path:
+    """Save weights, Adam moments and step; `extra` is kept in the manifest (e.g. the seq_id it reflects)."""
     tensors = {}
     for name, p in adapter.named_parameters():
         tensors[f"weight/{name}"] = p.detach().cpu().contiguous()
@@ -111,9 +112,18 @@ def save_training_state(adapter: Adapter, path: str | Path) -> Path:
             "step": adapter.step,
             "has_optimizer_state": any(k.startswith("exp_avg/") for k in tensors),
             "tensors_sha256": _sha256(tmp / STATE_TENSORS),
+            "extra": extra or {},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return Path(path)
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    """The manifest of a training-state checkpoint, or None if there is none (not verified)."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def _read_verified(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -184,8 +184,8 @@ class TrainerEngine:
     def save_sampler_weights(self, adapter_id: str, path: str | Path) -> Path:
         return checkpoints.save_peft_adapter(self.adapter(adapter_id), path, self.model_path)
 
-    def save_state(self, adapter_id: str, path: str | Path) -> Path:
-        return checkpoints.save_training_state(self.adapter(adapter_id), path)
+    def save_state(self, adapter_id: str, path: str | Path, extra: dict | None = None) -> Path:
+        return checkpoints.save_training_state(self.adapter(adapter_id), path, extra)
 
     def load_state(self, adapter_id: str, path: str | Path, *, with_optimizer: bool = True) -> Adapter:
         """Create (or replace) `adapter_id` from a training-state checkpoint."""

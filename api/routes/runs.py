@@ -1,0 +1,133 @@
+"""REST for training runs and their checkpoints (RestClient / CLI), scoped to the caller's tenant."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel
+
+from api.deps import DB, CurrentTenant
+from api.paths import TinkerPath
+from api.routes.training import owned_model
+from db.models import Checkpoint, Request, TrainingModel, utcnow
+
+router = APIRouter()
+CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler"}
+
+
+def iso(dt) -> str | None:
+    return dt.isoformat().replace("+00:00", "Z") if dt else None
+
+
+def checkpoint_json(row: Checkpoint) -> dict:
+    return {
+        "checkpoint_id": TinkerPath.parse(row.tinker_path).checkpoint_id,
+        "checkpoint_type": CHECKPOINT_TYPES.get(row.kind, row.kind), "time": iso(row.created_at),
+        "tinker_path": row.tinker_path, "size_bytes": row.size_bytes, "public": row.public,
+        "user_metadata": None, "expires_at": iso(row.expires_at),
+    }
+
+
+def run_json(db: DB, run: TrainingModel) -> dict:
+    def latest(kind: str):
+        row = db.scalar(sa.select(Checkpoint).where(Checkpoint.model_id == run.id, Checkpoint.kind == kind)
+                        .order_by(Checkpoint.created_at.desc()).limit(1))
+        return checkpoint_json(row) if row else None
+
+    last = db.scalar(sa.select(sa.func.max(Request.created_at)).where(Request.model_id == run.id))
+    return {
+        "training_run_id": run.id, "base_model": run.base_model, "model_owner": run.tenant_id, "is_lora": True,
+        "corrupted": False, "lora_rank": run.lora_config["rank"], "last_request_time": iso(last or run.created_at),
+        "last_checkpoint": latest("training_state"), "last_sampler_checkpoint": latest("sampler"),
+        "user_metadata": run.user_metadata or None,
+    }
+
+
+@router.get("/training_runs")
+def list_runs(tenant: CurrentTenant, db: DB, limit: int = 20, offset: int = 0) -> dict:
+    where = (TrainingModel.tenant_id == tenant.id, TrainingModel.deleted_at.is_(None))
+    total = db.scalar(sa.select(sa.func.count()).select_from(TrainingModel).where(*where))
+    runs = db.scalars(sa.select(TrainingModel).where(*where).order_by(TrainingModel.created_at.desc())
+                      .limit(limit).offset(offset)).all()
+    return {"training_runs": [run_json(db, r) for r in runs],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+@router.get("/training_runs/{run_id}")
+def get_run(run_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    return run_json(db, owned_model(db, tenant.id, run_id))
+
+
+def _checkpoints(db: DB, tenant_id: str, run_id: str | None, limit: int, offset: int) -> dict:
+    where = [Checkpoint.tenant_id == tenant_id] + ([Checkpoint.model_id == run_id] if run_id else [])
+    total = db.scalar(sa.select(sa.func.count()).select_from(Checkpoint).where(*where))
+    rows = db.scalars(sa.select(Checkpoint).where(*where).order_by(Checkpoint.created_at.desc())
+                      .limit(limit).offset(offset)).all()
+    return {"checkpoints": [checkpoint_json(r) for r in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total}}
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+def list_run_checkpoints(run_id: str, tenant: CurrentTenant, db: DB, limit: int = 100, offset: int = 0) -> dict:
+    owned_model(db, tenant.id, run_id)
+    return _checkpoints(db, tenant.id, run_id, limit, offset)
+
+
+@router.get("/checkpoints")
+def list_checkpoints(tenant: CurrentTenant, db: DB, limit: int = 100, offset: int = 0) -> dict:
+    return _checkpoints(db, tenant.id, None, limit, offset)
+
+
+def owned_checkpoint(db: DB, tenant_id: str, run_id: str, checkpoint_id: str) -> Checkpoint:
+    path = f"tinker://{run_id}/{checkpoint_id}"
+    TinkerPath.parse(path, "checkpoint_id")
+    row = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == path))
+    if row is None or row.tenant_id != tenant_id:
+        raise HTTPException(404, f"checkpoint_id: no checkpoint {checkpoint_id!r} in run {run_id!r}")
+    return row
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+def publish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    if row.public:
+        raise HTTPException(409, "checkpoint is already public")
+    row.public = True
+    db.commit()
+    return {}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+def unpublish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    if not row.public:
+        raise HTTPException(409, "checkpoint is already private")
+    row.public = False
+    db.commit()
+    return {}
+
+
+class Ttl(BaseModel):
+    ttl_seconds: int | None
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+def set_ttl(run_id: str, checkpoint_id: str, body: Ttl, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    if body.ttl_seconds is not None and not 3600 <= body.ttl_seconds <= 10 * 365 * 86400:
+        raise HTTPException(400, "ttl_seconds: must be between 3600 s and 10 years, or null")
+    row.expires_at = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
+    db.commit()
+    return {}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+def delete_checkpoint(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    shutil.rmtree(row.storage_path, ignore_errors=True)
+    db.delete(row)
+    db.commit()
+    return {}

@@ -1,0 +1,35 @@
+"""Bootstrap and service endpoints: client config, health, capabilities, telemetry."""
+
+from fastapi import APIRouter, Request
+
+from api.deps import CurrentTenant
+
+router = APIRouter()
+
+
+@router.post("/client/config")
+def client_config() -> dict:
+    return {}  # every SDK default fits this server
+
+
+@router.post("/client/dynamic_config")
+def dynamic_config() -> dict:
+    return {"refresh_interval_sec": 300}
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+def capabilities(request: Request) -> dict:
+    info = request.app.state.model_info
+    return {"supported_models": [
+        {"model_name": info.name, "max_context_length": info.max_context, "trainable": True, "sampleable": False}
+    ]}
+
+
+@router.post("/telemetry")
+def telemetry(_: CurrentTenant) -> dict:
+    return {"status": "accepted"}  # accepted and dropped: this server keeps no client telemetry

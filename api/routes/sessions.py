@@ -1,0 +1,80 @@
+"""Client sessions: create, heartbeat, finish, get, list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel, Field
+
+from api.deps import DB, CurrentTenant
+from db.models import ClientSession, Sampler, TrainingModel, utcnow
+
+router = APIRouter()
+
+
+class CreateSession(BaseModel):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionRef(BaseModel):
+    session_id: str
+
+
+def owned_session(db: DB, tenant_id: str, session_id: str) -> ClientSession:
+    row = db.get(ClientSession, session_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise HTTPException(404, f"session_id: no session {session_id!r}")
+    return row
+
+
+@router.post("/create_session")
+def create_session(body: CreateSession, tenant: CurrentTenant, db: DB) -> dict:
+    metadata = dict(body.user_metadata)
+    if body.display_name:
+        metadata.setdefault("display_name", body.display_name)
+    row = ClientSession(tenant_id=tenant.id, tags=body.tags, user_metadata=metadata, sdk_version=body.sdk_version)
+    db.add(row)
+    db.commit()
+    return {"type": "create_session", "session_id": row.id}
+
+
+@router.post("/session_heartbeat")
+def heartbeat(body: SessionRef, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_session(db, tenant.id, body.session_id)
+    if row.finished_at is not None:
+        raise HTTPException(410, "session finished")
+    row.last_heartbeat_at = utcnow()
+    db.commit()
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish(session_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_session(db, tenant.id, session_id)
+    row.finished_at = row.finished_at or utcnow()
+    db.commit()
+    return {}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_session(db, tenant.id, session_id)
+    runs = db.scalars(sa.select(TrainingModel.id).where(TrainingModel.session_id == row.id)).all()
+    samplers = db.scalars(sa.select(Sampler.id).where(Sampler.session_id == row.id)).all()
+    return {"training_run_ids": list(runs), "sampler_ids": list(samplers), "user_metadata": row.user_metadata,
+            "display_name": row.user_metadata.get("display_name")}
+
+
+@router.get("/sessions")
+def list_sessions(tenant: CurrentTenant, db: DB, limit: int = 20, offset: int = 0) -> dict:
+    ids = db.scalars(
+        sa.select(ClientSession.id).where(ClientSession.tenant_id == tenant.id)
+        .order_by(ClientSession.created_at.desc()).limit(limit).offset(offset)
+    ).all()
+    return {"sessions": list(ids)}

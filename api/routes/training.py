@@ -1,0 +1,270 @@
+"""Training models: create, get_info, forward_backward, optim_step, save and load weights.
+
+Every heavy call is validated here (errors name the field, 4xx), stored, queued, and answered
+at once with a request id; the scheduler runs it in the model's seq_id order.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import APIRouter, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
+from pydantic import BaseModel, Field
+
+from api.deps import DB, CurrentTenant
+from api.paths import TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, storage_path
+from api.routes.sessions import owned_session
+from api.submit import submit
+from db.models import Checkpoint, Sampler, TrainingModel
+from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import Datum, ForwardBackwardInput, prepare_request
+from workers.trainer.checkpoints import read_manifest
+from workers.trainer.errors import InvalidInputError
+
+router = APIRouter()
+PROTOBUF = "application/x-protobuf"
+
+
+class LoraConfigIn(BaseModel):
+    rank: int = 32
+    seed: int | None = None
+    alpha: float | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModel(BaseModel):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
+    user_metadata: dict[str, Any] | None = None
+
+
+class ModelRef(BaseModel):
+    model_id: str
+
+
+class OptimStep(BaseModel):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    adam_params: dict[str, Any] | None = None
+    optimizer_params: dict[str, Any] | None = None
+    optim_params: dict[str, Any] | None = None
+
+
+class SaveWeights(BaseModel):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1)
+    overwrite: bool = False
+
+
+class LoadWeights(BaseModel):
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None  # legacy: load into an existing model at seq_id
+    seq_id: int | None = None
+    session_id: str | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
+    model_seq_id: int | None = None
+
+
+def owned_model(db: DB, tenant_id: str, model_id: str) -> TrainingModel:
+    row = db.get(TrainingModel, model_id)
+    if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
+        raise HTTPException(404, f"model_id: no model {model_id!r}")
+    return row
+
+
+def served_model(request: Request, base_model: str) -> None:
+    info = request.app.state.model_info
+    if base_model not in request.app.state.served_names:
+        raise HTTPException(400, f"base_model: {base_model!r} is not served here; served: [{info.name!r}]")
+
+
+def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
+    cfg = LoraConfig(
+        rank=body.rank, alpha=body.alpha if body.alpha is not None else 32.0,
+        seed=body.seed if body.seed is not None else secrets.randbits(31),  # Tinker: no seed = random
+        train_attn=body.train_attn, train_mlp=body.train_mlp, train_unembed=body.train_unembed,
+    )
+    try:
+        cfg.validate(max_rank)
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
+    return cfg
+
+
+@router.post("/create_model")
+def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    owned_session(db, tenant.id, body.session_id)
+    served_model(request, body.base_model)
+    cfg = lora_config(body.lora_config, request.app.state.settings.max_lora_rank)
+    mid = make_model_id(body.session_id, body.model_seq_id)
+    if db.get(TrainingModel, mid) is None:
+        db.add(TrainingModel(
+            id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=body.base_model,
+            lora_config=cfg.to_dict(), user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
+        ))
+        db.flush()
+    payload = json.dumps({"lora_config": cfg.to_dict()}).encode()
+    return submit(request, db, tenant_id=tenant.id, model_id=mid, seq_id=0, kind="create_model", payload=payload)
+
+
+@router.post("/get_info")
+def get_info(body: ModelRef, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    row = owned_model(db, tenant.id, body.model_id)
+    info = request.app.state.model_info
+    return {
+        "type": "get_info", "model_id": row.id, "is_lora": True, "lora_rank": row.lora_config["rank"],
+        "model_name": row.base_model, "optimizer_config": {"type": "adamw"},
+        # the tokenizer lives in the base model's local folder: the SDK loads it from there, offline
+        "model_data": {"arch": info.arch, "model_name": row.base_model, "tokenizer_id": str(info.path)},
+    }
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    body = await request.body()
+    return await run_in_threadpool(_accept_forward_backward, request, body, tenant.id, db)
+
+
+def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: DB) -> dict:
+    settings, info = request.app.state.settings, request.app.state.model_info
+    if len(body) > settings.max_request_bytes:
+        raise HTTPException(413, f"body: {len(body)} bytes exceed the limit of {settings.max_request_bytes}")
+    try:
+        proto = decode_body(body, request.headers.get("content-encoding"), max_decompressed_bytes=settings.max_request_bytes)
+        wire = decode_forward_backward_request(proto, None)
+    except WireError as e:
+        raise HTTPException(400, str(e)) from None
+    owned_model(db, tenant_id, wire.model_id)
+    if wire.seq_id < 1:
+        raise HTTPException(400, f"seq_id: must be >= 1, got {wire.seq_id}")
+    engine_request = ForwardBackwardInput(
+        wire.model_id, [Datum(d.tokens, dict(d.loss_fn_inputs)) for d in wire.data], wire.loss_fn,
+        dict(wire.loss_fn_config), wire.forward_only,
+    )
+    try:
+        prepare_request(0, engine_request, info.vocab_size, info.max_context)
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
+    return submit(
+        request, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
+        kind="forward" if wire.forward_only else "forward_backward", payload=proto,
+        content_type=PROTOBUF, num_tokens=sum(len(d.tokens) for d in wire.data),
+    )
+
+
+@router.post("/optim_step")
+def optim_step(body: OptimStep, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    owned_model(db, tenant.id, body.model_id)
+    raw = body.adam_params or body.optimizer_params or body.optim_params or {}
+    if raw.get("type", "adamw") not in ("adam", "adamw"):
+        raise HTTPException(400, f"adam_params.type: optimizer {raw['type']!r} is not supported; use AdamW")
+    try:
+        adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
+        adam.validate()
+    except TypeError as e:
+        raise HTTPException(400, f"adam_params: {e}") from None
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
+    payload = json.dumps({"adam_params": adam.__dict__}).encode()
+    return submit(request, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
+                  kind="optim_step", payload=payload)
+
+
+def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str, dir_kind: str) -> dict:
+    model = owned_model(db, tenant_id, body.model_id)
+    payload: dict[str, Any] = {"kind": "training_state" if dir_kind == "weights" else "sampler",
+                               "ttl_seconds": body.ttl_seconds}
+    if body.path is None and dir_kind == "sampler_weights":
+        if body.sampling_session_seq_id is None:
+            raise HTTPException(400, "path or sampling_session_seq_id: one of them is required")
+        sid = sampler_id(model.session_id, body.sampling_session_seq_id)
+        name = f"snapshot-{body.seq_id}"
+        payload["sampling_session_id"] = sid
+    else:
+        name = checkpoint_name(body.path or f"ckpt-{body.seq_id}", "path")
+    path = TinkerPath(model.id, dir_kind, name)
+    exists = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == str(path)))
+    if exists is not None and not body.overwrite and dir_kind == "weights":
+        raise HTTPException(400, f"path: checkpoint {str(path)!r} exists; pass overwrite=true to replace it")
+    payload.update(name=name, tinker_path=str(path),
+                   storage_path=str(storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)))
+    if payload.get("sampling_session_id") and db.get(Sampler, payload["sampling_session_id"]) is None:
+        db.add(Sampler(id=payload["sampling_session_id"], tenant_id=tenant_id, session_id=model.session_id,
+                       base_model=model.base_model, model_path=str(path)))
+        db.flush()
+    return submit(request, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
+                  payload=json.dumps(payload).encode())
+
+
+@router.post("/save_weights")
+def save_weights(body: SaveWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    return _save(request, db, tenant.id, body, "save_weights", "weights")
+
+
+@router.post("/save_weights_for_sampler")
+def save_weights_for_sampler(body: SaveWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    return _save(request, db, tenant.id, body, "save_weights_for_sampler", "sampler_weights")
+
+
+def resolve_checkpoint(db: DB, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:
+    parsed = TinkerPath.parse(path, field)
+    row = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == str(parsed)))
+    if row is None or (row.tenant_id != tenant_id and not row.public):
+        raise HTTPException(404, f"{field}: no checkpoint {path!r}")
+    return parsed, row
+
+
+@router.post("/load_weights")
+def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    parsed, checkpoint = resolve_checkpoint(db, tenant.id, body.path)
+    if parsed.kind != "weights":
+        raise HTTPException(400, "path: only training-state checkpoints (tinker://.../weights/...) can be loaded")
+    manifest = read_manifest(checkpoint.storage_path)
+    if manifest is None:
+        raise HTTPException(404, f"path: the files of {body.path!r} are missing")
+    if body.session_id is not None and body.model_seq_id is not None:  # create-via-load: seq 0 of a new model
+        owned_session(db, tenant.id, body.session_id)
+        source = db.get(TrainingModel, checkpoint.model_id)
+        mid, seq = make_model_id(body.session_id, body.model_seq_id), 0
+        if db.get(TrainingModel, mid) is None:
+            db.add(TrainingModel(
+                id=mid, tenant_id=tenant.id, session_id=body.session_id,
+                base_model=source.base_model if source else request.app.state.model_info.name,
+                lora_config=manifest["lora_config"], user_metadata={}, last_applied_seq_id=-1,
+            ))
+            db.flush()
+    elif body.model_id is not None and body.seq_id is not None:
+        mid, seq = owned_model(db, tenant.id, body.model_id).id, body.seq_id
+    else:
+        raise HTTPException(400, "session_id and model_seq_id (or model_id and seq_id) are required")
+    payload = {"storage_path": checkpoint.storage_path, "optimizer": body.optimizer, "tinker_path": body.path}
+    return submit(request, db, tenant_id=tenant.id, model_id=mid, seq_id=seq, kind="load_weights",
+                  payload=json.dumps(payload).encode())
+
+
+class WeightsInfo(BaseModel):
+    tinker_path: str
+
+
+@router.post("/weights_info")
+def weights_info(body: WeightsInfo, tenant: CurrentTenant, db: DB) -> dict:
+    _, checkpoint = resolve_checkpoint(db, tenant.id, body.tinker_path, "tinker_path")
+    model = db.get(TrainingModel, checkpoint.model_id)
+    if model is None:
+        raise HTTPException(404, f"tinker_path: the run of {body.tinker_path!r} is gone")
+    cfg = model.lora_config
+    return {"base_model": model.base_model, "is_lora": True, "optimizer_config": {"type": "adamw"},
+            "lora_rank": cfg["rank"], "train_unembed": cfg["train_unembed"], "train_mlp": cfg["train_mlp"],
+            "train_attn": cfg["train_attn"]}

@@ -1,0 +1,201 @@
+"""The service's tables as SQLAlchemy 2 models, portable across SQLite (embedded) and Postgres.
+
+Portability rules: generic types only (JSON, LargeBinary, String), string primary keys, enums
+stored as plain strings (no native Postgres ENUM to migrate), explicit constraint names.
+"""
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints make migrations reproducible: Alembic can only alter or drop a constraint by
+# name, and otherwise each database invents its own (or, on SQLite, none at all).
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """A timezone-aware timestamp that always comes back in UTC.
+
+    SQLite has no time zones: it stores the wall-clock text and returns naive datetimes. Storing
+    UTC and tagging it on the way out gives both databases the same aware values (and on SQLite a
+    text order that is the time order).
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware one")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class RequestState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class CheckpointKind(StrEnum):
+    TRAINING_STATE = "training_state"
+    SAMPLER = "sampler"
+
+
+def _in(column: str, values: type[StrEnum]) -> str:
+    """SQL for `column IN (...)`, for a CHECK constraint that keeps stray values out."""
+    return f"{column} IN ({', '.join(repr(v.value) for v in values)})"
+
+
+# JSON columns: none_as_null so that Python None is SQL NULL (queryable with IS NULL), not JSON 'null'.
+# In-place mutation of a loaded dict/list is not tracked: assign a new value to change one.
+def _json(nullable: bool = False) -> Any:
+    return mapped_column(sa.JSON(none_as_null=True), nullable=nullable)
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime, str: sa.String()}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(unique=True)
+    disabled: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    """Only the key's SHA-256 is stored: a leaked database does not leak usable keys."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(unique=True, index=True)  # hex SHA-256 of the full key
+    key_prefix: Mapped[str]  # first 12 characters, to tell keys apart in listings
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class ClientSession(Base):
+    """A client SDK session: groups the models and samplers one `ServiceClient` created."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    tags: Mapped[list[str]] = _json()
+    user_metadata: Mapped[dict[str, Any]] = _json()
+    sdk_version: Mapped[str | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class TrainingModel(Base):
+    """A training run: one LoRA adapter. Its id is "{session_id}:train:{n}"."""
+
+    __tablename__ = "models"
+
+    id: Mapped[str] = mapped_column(primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(sa.ForeignKey("sessions.id"))
+    base_model: Mapped[str]
+    # rank, seed, alpha, train_attn, train_mlp, train_unembed
+    lora_config: Mapped[dict[str, Any]] = _json()
+    user_metadata: Mapped[dict[str, Any]] = _json()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None]
+    last_applied_seq_id: Mapped[int] = mapped_column(default=0)  # highest seq_id executed
+    worker_id: Mapped[str | None]  # the worker holding the adapter; None when not placed
+
+
+class Sampler(Base):
+    """A sampling client's target. Its id is "{session_id}:sample:{n}"."""
+
+    __tablename__ = "samplers"
+
+    id: Mapped[str] = mapped_column(primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    session_id: Mapped[str] = mapped_column(sa.ForeignKey("sessions.id"))
+    base_model: Mapped[str]
+    model_path: Mapped[str | None]  # a tinker:// sampler checkpoint; None samples the base model
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Request(Base):
+    """One API call, from receipt to result: the queue and the result store in one table."""
+
+    __tablename__ = "requests"
+    __table_args__ = (
+        # A retry carries the same (model_id, seq_id): it finds the original instead of queueing
+        # twice. NULLs are distinct in both databases, so requests without a seq_id never clash.
+        sa.UniqueConstraint("model_id", "seq_id"),
+        # The scheduler's scan: oldest requests in a state. Also serves lookups by state alone.
+        sa.Index(None, "state", "created_at"),
+        sa.CheckConstraint(_in("state", RequestState), name="state"),
+    )
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    # No foreign key: this holds training model ids and sampler ids alike. Lookups by model use the
+    # (model_id, seq_id) unique index, whose leading column is model_id.
+    model_id: Mapped[str | None]
+    seq_id: Mapped[int | None]
+    kind: Mapped[str]  # "forward_backward", "optim_step", "sample", ...
+    state: Mapped[str] = mapped_column(default=RequestState.PENDING)
+    payload: Mapped[bytes] = mapped_column(sa.LargeBinary)  # the body as received
+    payload_content_type: Mapped[str]
+    result: Mapped[bytes | None] = mapped_column(sa.LargeBinary)
+    result_content_type: Mapped[str | None]
+    error: Mapped[dict[str, Any] | None] = _json(nullable=True)  # {"error": str, "category": "user"|"server"}
+    num_tokens: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (sa.CheckConstraint(_in("kind", CheckpointKind), name="kind"),)
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    model_id: Mapped[str] = mapped_column(index=True)
+    kind: Mapped[str]
+    name: Mapped[str]
+    # "tinker://{model_id}/weights/{name}" or "tinker://{model_id}/sampler_weights/{name}"
+    tinker_path: Mapped[str] = mapped_column(unique=True)
+    storage_path: Mapped[str]  # where the files are: a local path or an fsspec URL
+    size_bytes: Mapped[int] = mapped_column(sa.BigInteger)  # adapter + Adam state can pass 2 GiB
+    public: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None]  # TTL; None keeps it until deleted

@@ -1,0 +1,171 @@
+"""Executors run a planned cycle on a trainer engine and return one outcome per request.
+
+The scheduler only decides; an executor only executes. `InProcessExecutor` calls the engine in
+this process (embedded mode); the distributed mode sends the same cycle to a Celery worker.
+Payloads are the bodies the API accepted: protobuf for forward/backward, and for the other
+operations a JSON body the API already validated and resolved (checkpoint paths, LoRA config).
+
+Durability rule: an adapter's full training state is written to `live_dir` after create_model,
+load_weights and every optim_step, before the outcome is returned (so before the future
+resolves). After a restart an adapter is reloaded from there, and the forward_backward requests
+it had finished since (their gradients were only in memory) are replayed by the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.wire.codec import decode_forward_backward_request, encode_forward_backward_output
+from scheduler.ordering import QueuedRequest
+from scheduler.planner import Cycle
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers.trainer.checkpoints import read_manifest
+from workers.trainer.engine import TrainerEngine
+from workers.trainer.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: bytes | None = None
+    content_type: str | None = None
+    error: dict[str, str] | None = None  # {"error": message, "category": "user" | "server"}
+    checkpoint: dict[str, Any] | None = field(default=None)  # a checkpoint written, for the scheduler to record
+
+    @classmethod
+    def json(cls, value: dict[str, Any], checkpoint: dict[str, Any] | None = None) -> "Outcome":
+        return cls(json.dumps(value).encode(), JSON, checkpoint=checkpoint)
+
+    @classmethod
+    def failed(cls, message: str, category: str) -> "Outcome":
+        return cls(error={"error": message, "category": category})
+
+
+@dataclass(frozen=True)
+class Job:
+    """A request and its payload."""
+
+    request: QueuedRequest
+    payload: bytes
+
+
+def engine_input(job: Job) -> ForwardBackwardInput:
+    wire = decode_forward_backward_request(job.payload, None)
+    return ForwardBackwardInput(
+        adapter_id=job.request.model_id,
+        data=[Datum(d.tokens, dict(d.loss_fn_inputs)) for d in wire.data],
+        loss_fn=wire.loss_fn,
+        loss_fn_config=dict(wire.loss_fn_config),
+        forward_only=job.request.kind == "forward",
+    )
+
+
+def _folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class InProcessExecutor:
+    def __init__(self, engine: TrainerEngine, live_dir: Path) -> None:
+        self.engine = engine
+        self.live_dir = Path(live_dir)
+
+    # --- durability ------------------------------------------------------------------------------
+
+    def _live_path(self, model_id: str) -> Path:
+        return self.live_dir / model_id
+
+    def _persist(self, model_id: str, seq_id: int) -> None:
+        self.engine.save_state(model_id, self._live_path(model_id), extra={"seq_id": seq_id})
+
+    def durable_seq(self, model_id: str) -> int | None:
+        """The seq_id the model's durable state reflects, or None if it has none."""
+        manifest = read_manifest(self._live_path(model_id))
+        return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
+
+    def _ensure_loaded(self, model_ids) -> None:
+        for model_id in set(model_ids):
+            if model_id not in self.engine.adapters and read_manifest(self._live_path(model_id)) is not None:
+                self.engine.load_state(model_id, self._live_path(model_id))
+
+    # --- cycles ----------------------------------------------------------------------------------
+
+    def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
+        self._ensure_loaded(r.model_id for r in cycle.all())
+        outcomes: dict[str, Outcome] = {}
+        if cycle.forward_backward:
+            outcomes.update(self._forward_backward([jobs[r.id] for r in cycle.forward_backward]))
+        if cycle.optim_steps:
+            outcomes.update(self._optim_steps([jobs[r.id] for r in cycle.optim_steps]))
+        for request in cycle.others:
+            outcomes[request.id] = self._guarded(self._other, jobs[request.id])
+        return outcomes
+
+    def _forward_backward(self, jobs: list[Job]) -> dict[str, Outcome]:
+        try:
+            results = self.engine.forward_backward([engine_input(job) for job in jobs])
+        except Exception as e:  # a bug or resource failure: every request of the batch fails, clearly
+            log.exception("batched forward_backward failed")
+            return {job.request.id: Outcome.failed(f"forward_backward failed: {e}", "server") for job in jobs}
+        outcomes = {}
+        for job, result in zip(jobs, results):
+            if isinstance(result, EngineError):
+                outcomes[job.request.id] = Outcome.failed(str(result), result.category)
+            else:
+                outputs = [{k: v.numpy() for k, v in o.items()} for o in result.loss_fn_outputs]
+                outcomes[job.request.id] = Outcome(encode_forward_backward_output(outputs, result.metrics), PROTOBUF)
+        return outcomes
+
+    def _optim_steps(self, jobs: list[Job]) -> dict[str, Outcome]:
+        steps = [(job.request.model_id, AdamParams(**json.loads(job.payload)["adam_params"])) for job in jobs]
+        outcomes = {}
+        for job, result in zip(jobs, self.engine.optim_step(steps)):
+            if isinstance(result, EngineError):
+                outcomes[job.request.id] = Outcome.failed(str(result), result.category)
+                continue
+            self._persist(job.request.model_id, job.request.seq_id)
+            outcomes[job.request.id] = Outcome.json({"metrics": {f"{k}:mean": v for k, v in result.items()}})
+        return outcomes
+
+    def _guarded(self, fn, job: Job) -> Outcome:
+        try:
+            return fn(job)
+        except EngineError as e:
+            return Outcome.failed(str(e), e.category)
+        except Exception as e:
+            log.exception("%s failed", job.request.kind)
+            return Outcome.failed(f"{job.request.kind} failed: {e}", "server")
+
+    def _other(self, job: Job) -> Outcome:
+        body = json.loads(job.payload)
+        model_id, kind = job.request.model_id, job.request.kind
+        if kind == "create_model":
+            self.engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))
+            self._persist(model_id, job.request.seq_id)
+            return Outcome.json({"model_id": model_id, "type": "create_model"})
+        if kind == "load_weights":
+            self.engine.load_state(model_id, body["storage_path"], with_optimizer=body["optimizer"])
+            self._persist(model_id, job.request.seq_id)
+            return Outcome.json({"path": body["tinker_path"], "model_id": model_id, "type": "load_weights"})
+        if kind in ("save_weights", "save_weights_for_sampler"):
+            path = Path(body["storage_path"])
+            if kind == "save_weights":
+                self.engine.save_state(model_id, path)
+            else:
+                self.engine.save_sampler_weights(model_id, path)
+            checkpoint = {k: body[k] for k in ("kind", "name", "tinker_path", "ttl_seconds")}
+            checkpoint.update(storage_path=str(path), size_bytes=_folder_size(path))
+            if body.get("sampling_session_id"):  # ephemeral snapshot for save_weights_and_get_sampling_client
+                result = {"sampling_session_id": body["sampling_session_id"], "type": kind}
+            else:
+                result = {"path": body["tinker_path"], "type": kind}
+            return Outcome.json(result, checkpoint=checkpoint)
+        raise EngineError(f"{kind} is not supported by this server yet")

@@ -1,0 +1,82 @@
+"""Per-model seq_id order: a reorder buffer that releases each model's requests strictly in order.
+
+The Tinker SDK numbers a model's operations 1, 2, 3, ... and may send them out of order (the
+chunks of a large forward_backward go concurrently, first chunk last). Creation (create_model or
+a create-via-load) is seq 0. A request is runnable only when every earlier seq_id of its model
+has finished, successfully or not: a failed request never blocks the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Operations that only read weights and add to gradients: consecutive ones of one model commute
+# with each other, so a run of them can share one engine call.
+BATCHABLE_KINDS = ("forward_backward", "forward")
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    id: str
+    tenant_id: str
+    model_id: str
+    seq_id: int
+    kind: str
+    num_tokens: int = 0
+
+
+class ReorderBuffer:
+    def __init__(self) -> None:
+        self._waiting: dict[str, dict[int, QueuedRequest]] = {}  # model -> seq_id -> request
+        self._next_seq: dict[str, int] = {}  # model -> next seq_id to run
+        self._running: set[str] = set()  # models with a request in flight
+
+    def add(self, request: QueuedRequest, next_seq: int | None = None) -> None:
+        """Queue a request; `next_seq` tells a model's position the first time it is seen."""
+        if next_seq is not None:
+            self._next_seq.setdefault(request.model_id, next_seq)
+        self._next_seq.setdefault(request.model_id, 0)
+        if request.seq_id < self._next_seq[request.model_id]:
+            raise ValueError(f"{request.model_id} seq_id {request.seq_id} already ran")
+        self._waiting.setdefault(request.model_id, {})[request.seq_id] = request
+
+    def runnable(self) -> dict[str, list[QueuedRequest]]:
+        """For each idle model, the requests it may run now: its next request, extended by the
+        following consecutive requests while all of them are batchable (forward/backward)."""
+        ready = {}
+        for model_id, waiting in self._waiting.items():
+            if model_id in self._running:
+                continue
+            seq = self._next_seq[model_id]
+            head = waiting.get(seq)
+            if head is None:
+                continue
+            run = [head]
+            while head.kind in BATCHABLE_KINDS:
+                nxt = waiting.get(run[-1].seq_id + 1)
+                if nxt is None or nxt.kind not in BATCHABLE_KINDS:
+                    break
+                run.append(nxt)
+            ready[model_id] = run
+        return ready
+
+    def start(self, requests: list[QueuedRequest]) -> None:
+        """Mark requests as dispatched; their model runs nothing else until `finish`."""
+        for r in requests:
+            self._running.add(r.model_id)
+            del self._waiting[r.model_id][r.seq_id]
+
+    def finish(self, requests: list[QueuedRequest]) -> None:
+        for r in requests:
+            self._running.discard(r.model_id)
+            self._next_seq[r.model_id] = max(self._next_seq[r.model_id], r.seq_id + 1)
+            if not self._waiting.get(r.model_id):
+                self._waiting.pop(r.model_id, None)
+
+    def forget(self, model_id: str) -> None:
+        self._waiting.pop(model_id, None)
+        self._next_seq.pop(model_id, None)
+        self._running.discard(model_id)
+
+    def __len__(self) -> int:
+        return sum(len(w) for w in self._waiting.values())

@@ -1,0 +1,195 @@
+"""The scheduler loop: accepted requests in, one batched cycle at a time out, results persisted.
+
+The API stores each accepted request (state "pending") and calls `submit`. The loop keeps a
+reorder buffer per model, plans a fair cycle across tenants, hands it to the executor, stores every
+outcome, advances each model's applied seq_id and wakes the API's long-polls. On start it reloads
+every unfinished request from the database, so a restart loses no accepted work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from datetime import timedelta
+
+from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
+from scheduler.executor import Job, Outcome
+from scheduler.notify import Notifier
+from scheduler.ordering import QueuedRequest, ReorderBuffer
+from scheduler.planner import Cycle, CyclePlanner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CycleLog:
+    """What ran together: the last cycles' request ids, for tests and operators."""
+
+    cycles: list[list[str]] = field(default_factory=list)
+    keep: int = 1000
+
+    def record(self, cycle: Cycle) -> None:
+        if cycle.forward_backward:
+            self.cycles.append([r.id for r in cycle.forward_backward])
+            del self.cycles[: -self.keep]
+
+
+def queued(row: Request) -> QueuedRequest:
+    return QueuedRequest(row.id, row.tenant_id, row.model_id or row.id, row.seq_id or 0, row.kind, row.num_tokens)
+
+
+class SchedulerService:
+    def __init__(
+        self, sessions: sessionmaker[Session], executor, token_budget: int, notifier: Notifier,
+        gather_seconds: float = 0.005,
+    ) -> None:
+        self.sessions = sessions
+        self.executor = executor
+        self.planner = CyclePlanner(token_budget)
+        self.notifier = notifier
+        self.buffer = ReorderBuffer()
+        self.inbox: queue.SimpleQueue[QueuedRequest] = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        self.cycle_log = CycleLog()
+        # After idling, wait this long before planning, so requests that several tenants send at
+        # about the same time share a cycle (the price: this much latency on an idle server).
+        self.gather_seconds = gather_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- feeding ---------------------------------------------------------------------------------
+
+    def submit(self, request: QueuedRequest) -> None:
+        self.inbox.put(request)
+        self.wakeup.set()
+
+    def recover(self) -> int:
+        """Queue every request that was accepted but not finished (a running one is re-run: its
+        effects were never committed, since outcomes and model progress are stored together)."""
+        with self.sessions() as s:
+            rows = s.scalars(
+                sa.select(Request)
+                .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]))
+                .order_by(Request.created_at)
+            ).all()
+            for row in rows:
+                self.inbox.put(queued(row))
+            self._replay_lost_gradients(s)
+        self.wakeup.set()
+        return len(rows)
+
+    def _replay_lost_gradients(self, s: Session) -> None:
+        """Gradients of finished forward_backward requests after a model's last durable state lived
+        only in the old process: recompute them (same payloads, same weights -> same gradients)."""
+        for model in s.scalars(sa.select(TrainingModel).where(TrainingModel.deleted_at.is_(None))):
+            durable = self.executor.durable_seq(model.id)
+            if durable is None or durable >= model.last_applied_seq_id:
+                continue
+            rows = s.scalars(
+                sa.select(Request).where(
+                    Request.model_id == model.id, Request.kind == "forward_backward",
+                    Request.state == RequestState.DONE, Request.seq_id > durable,
+                    Request.seq_id <= model.last_applied_seq_id,
+                ).order_by(Request.seq_id)
+            ).all()
+            if rows:
+                log.info("replaying %d forward_backward requests of %s", len(rows), model.id)
+                replay = [queued(r) for r in rows]
+                self.executor.run_cycle(Cycle(forward_backward=replay), {q.id: Job(q, r.payload) for q, r in zip(replay, rows)})
+
+    def _drain_inbox(self, s: Session) -> None:
+        while True:
+            try:
+                request = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            applied = s.scalar(sa.select(TrainingModel.last_applied_seq_id).where(TrainingModel.id == request.model_id))
+            next_seq = (applied + 1) if applied is not None else request.seq_id
+            try:
+                self.buffer.add(request, next_seq=next_seq)
+            except ValueError:
+                log.warning("dropping %s: seq_id %s of %s already ran", request.id, request.seq_id, request.model_id)
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Plan and run one cycle; False when there was nothing to run."""
+        with self.sessions() as s:
+            self._drain_inbox(s)
+            cycle = self.planner.plan(self.buffer.runnable())
+            if not cycle:
+                return False
+            requests = cycle.all()
+            self.buffer.start(requests)
+            rows = {r.id: r for r in s.scalars(sa.select(Request).where(Request.id.in_([q.id for q in requests])))}
+            now = utcnow()
+            for row in rows.values():
+                row.state, row.started_at = RequestState.RUNNING, now
+            s.commit()
+            jobs = {q.id: Job(q, rows[q.id].payload) for q in requests}
+        self.cycle_log.record(cycle)
+        try:
+            outcomes = self.executor.run_cycle(cycle, jobs)
+        except Exception as e:  # the executor should not raise; if it does, fail the cycle clearly
+            log.exception("cycle failed")
+            outcomes = {q.id: Outcome.failed(f"internal error: {e}", "server") for q in requests}
+        self._store(requests, outcomes)
+        self.buffer.finish(requests)
+        for q in requests:
+            self.notifier.notify(q.id)
+        return True
+
+    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome]) -> None:
+        with self.sessions() as s:
+            now = utcnow()
+            for q in requests:
+                outcome = outcomes.get(q.id) or Outcome.failed("no outcome was produced", "server")
+                row = s.get(Request, q.id)
+                row.result, row.result_content_type, row.error = outcome.result, outcome.content_type, outcome.error
+                row.state = RequestState.FAILED if outcome.error else RequestState.DONE
+                row.finished_at = now
+                if outcome.checkpoint:
+                    self._record_checkpoint(s, q, outcome.checkpoint)
+                s.execute(
+                    sa.update(TrainingModel)
+                    .where(TrainingModel.id == q.model_id, TrainingModel.last_applied_seq_id < q.seq_id)
+                    .values(last_applied_seq_id=q.seq_id)
+                )
+            s.commit()
+
+    @staticmethod
+    def _record_checkpoint(s: Session, q: QueuedRequest, info: dict) -> None:
+        row = s.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == info["tinker_path"]))
+        if row is None:
+            row = Checkpoint(tenant_id=q.tenant_id, model_id=q.model_id, tinker_path=info["tinker_path"])
+            s.add(row)
+        row.kind, row.name = info["kind"], info["name"]
+        row.storage_path, row.size_bytes = info["storage_path"], info["size_bytes"]
+        row.created_at = utcnow()
+        ttl = info.get("ttl_seconds")
+        row.expires_at = row.created_at + timedelta(seconds=ttl) if ttl else None
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                if self.wakeup.wait(timeout=0.5):
+                    time.sleep(self.gather_seconds)
+                self.wakeup.clear()
+
+    def start(self) -> None:
+        self.recover()
+        self._thread = threading.Thread(target=self.run_forever, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wakeup.set()
+        if self._thread:
+            self._thread.join(timeout=30)

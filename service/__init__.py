@@ -1,0 +1,1 @@
+"""Wiring of the Loraplex processes: settings and the embedded one-process server."""

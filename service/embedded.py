@@ -1,0 +1,76 @@
+"""Embedded mode: API + scheduler + trainer engine in one process, SQLite and local checkpoints.
+
+    .venv/bin/python -m service serve [--base-model tiny] [--port 8000] [--data-dir data]
+
+The same scheduler and engine code as the distributed mode; only the transport differs (an
+in-process executor instead of Celery workers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from api.app import create_app
+from db.models import Tenant
+from db.session import make_engine, make_session_factory, upgrade_to_head
+from scheduler.executor import InProcessExecutor
+from scheduler.notify import Notifier
+from scheduler.service import SchedulerService
+from service.settings import Settings
+from service.tenants import create_tenant
+from workers.models.registry import model_info
+from workers.trainer.engine import TrainerEngine
+
+
+@dataclass
+class EmbeddedServer:
+    app: object
+    scheduler: SchedulerService
+    engine: TrainerEngine
+    sessions: object
+
+
+def build(settings: Settings) -> EmbeddedServer:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    url = settings.resolved_database_url
+    upgrade_to_head(url)
+    sessions = make_session_factory(make_engine(url))
+    info = model_info(settings.base_model)
+    engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank)
+    notifier = Notifier()
+    executor = InProcessExecutor(engine, settings.data_dir / "live")
+    scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
+                                 settings.cycle_gather_seconds)
+    app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
+                     model_info=info)
+    return EmbeddedServer(app, scheduler, engine, sessions)
+
+
+def ensure_default_tenant(sessions) -> str | None:
+    """Create the tenant "default" on first start; return its new key (None if it existed)."""
+    with sessions() as s:
+        if s.scalar(sa.select(Tenant).where(Tenant.name == "default")) is not None:
+            return None
+        _, key = create_tenant(s, "default")
+        return key
+
+
+def serve(settings: Settings) -> None:
+    import uvicorn
+
+    server = build(settings)
+    key = ensure_default_tenant(server.sessions)
+    server.scheduler.start()
+    base_url = f"http://{settings.host}:{settings.port}"
+    print(f"Loraplex serving {settings.base_model} at {base_url}")
+    if key:
+        print(f"API key of tenant 'default' (shown once): {key}")
+    else:
+        print("tenant 'default' exists; issue another key with: python -m service issue-key default")
+    print(f"  import tinker; tinker.ServiceClient(base_url={base_url!r}, api_key=...)")
+    try:
+        uvicorn.run(server.app, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        server.scheduler.stop()

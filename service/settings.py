@@ -1,0 +1,32 @@
+"""All settings in one place, from environment variables (LORAPLEX_*) or flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_")
+
+    data_dir: Path = Path("data")
+    database_url: str = ""  # empty: SQLite under data_dir
+    base_model: str = "tiny"  # a registry name (see workers/models/registry.py) or a local HF folder
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    max_lora_rank: int = 64
+    cycle_token_budget: int = Field(8192, description="tokens per batched engine call (one scheduler cycle)")
+    cycle_gather_seconds: float = Field(0.005, description="an idle scheduler waits this long for co-arriving requests")
+    max_request_bytes: int = 64 * 1024 * 1024
+    long_poll_seconds: float = 30.0  # retrieve_future holds the request this long before try_again
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.data_dir / "checkpoints"

@@ -1,0 +1,94 @@
+"""The official, unmodified `tinker` SDK trains against a real embedded server on loopback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from workers.trainer.losses import LOSSES
+
+VOCAB = 512
+
+
+def datum(loss_fn: str, n: int, rng: np.random.Generator) -> types.Datum:
+    seq = rng.integers(0, VOCAB, n + 1)
+    inputs = {"target_tokens": seq[1:].astype(np.int64)}
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = np.ones(n, dtype=np.float32)
+    else:
+        inputs["logprobs"] = np.full(n, -6.2, dtype=np.float32)
+        inputs["advantages"] = rng.standard_normal(n).astype(np.float32)
+        if loss_fn == "gspo":
+            inputs["sequence_ratio_mask"] = np.ones(n, dtype=np.float32)
+    return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()), loss_fn_inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def api_key(server):
+    return server.new_tenant()
+
+
+@pytest.fixture(scope="module")
+def service_client(server, api_key):
+    return tinker.ServiceClient(base_url=server.base_url, api_key=api_key)
+
+
+def test_training_flow_of_the_official_sdk(server, service_client, api_key):
+    rng = np.random.default_rng(0)
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
+    assert tc.get_info().model_data.model_name == "tiny"
+    assert tc.get_tokenizer().encode("What is 1 + 2?")  # served from the model's local folder, offline
+
+    data = [datum("cross_entropy", 12, rng) for _ in range(3)]
+    before = tc.forward(data, "cross_entropy").result()
+    for loss_fn in sorted(LOSSES):
+        out = tc.forward_backward([datum(loss_fn, 9, rng) for _ in range(2)], loss_fn).result()
+        assert np.isfinite(out.metrics["loss:sum"]) and len(out.loss_fn_outputs) == 2
+        assert out.loss_fn_outputs[0]["logprobs"].shape == [9]
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert step.metrics["grad_norm:mean"] > 0
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2))
+    after = tc.forward(data, "cross_entropy").result()
+    assert after.metrics["loss:sum"] < before.metrics["loss:sum"]  # it learns
+
+    state_path = tc.save_state("ckpt1").result().path
+    assert state_path == f"tinker://{tc.model_id}/weights/ckpt1"
+    sampler_path = tc.save_weights_for_sampler("s1").result().path
+    assert sampler_path == f"tinker://{tc.model_id}/sampler_weights/s1"
+
+    resumed = service_client.create_training_client_from_state_with_optimizer(state_path).result()
+    fresh = service_client.create_training_client_from_state(state_path).result()
+    expected = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    for clone in (resumed, fresh):
+        assert clone.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+
+    rest = tinker.RestClient(base_url=server.base_url, api_key=api_key)
+    runs = rest.list_training_runs().result()
+    assert tc.model_id in [r.training_run_id for r in runs.training_runs]
+    checkpoints = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert {c.tinker_path for c in checkpoints} == {state_path, sampler_path}
+    info = rest.get_weights_info_by_tinker_path(state_path).result()
+    assert info.base_model == "tiny" and info.lora_rank == 8
+
+
+def test_bad_request_is_a_clear_4xx(service_client):
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, VOCAB + 5]),
+                      loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "weights": np.ones(3, dtype=np.float32)})
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\].model_input"):
+        tc.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="base_model"):
+        service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="rank"):
+        service_client.create_lora_training_client(base_model="tiny", rank=1000).result()
+
+
+def test_sampling_answers_not_available_yet(service_client):
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    with pytest.raises(tinker.BadRequestError, match="not available yet"):
+        sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
