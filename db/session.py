@@ -44,6 +44,9 @@ def make_engine(url: str | sa.URL) -> sa.Engine:
         # WAL lets readers (result polls) proceed while the scheduler writes.
         if not in_memory:
             cursor.execute("PRAGMA journal_mode=WAL")
+            # In WAL mode NORMAL still survives a crash of the process (what the service promises);
+            # only an OS crash or power loss may lose the last commits. FULL fsyncs every commit.
+            cursor.execute("PRAGMA synchronous=NORMAL")
         # SQLite ignores foreign keys unless asked, per connection.
         cursor.execute("PRAGMA foreign_keys=ON")
         # Wait for a competing writer instead of failing at once with "database is locked".

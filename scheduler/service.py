@@ -48,7 +48,7 @@ def queued(row: Request) -> QueuedRequest:
 class SchedulerService:
     def __init__(
         self, sessions: sessionmaker[Session], executor, token_budget: int, notifier: Notifier,
-        gather_seconds: float = 0.005,
+        gather_seconds: float = 0.0,
     ) -> None:
         self.sessions = sessions
         self.executor = executor
@@ -179,7 +179,7 @@ class SchedulerService:
     def run_forever(self) -> None:
         while not self._stop.is_set():
             if not self.step():
-                if self.wakeup.wait(timeout=0.5):
+                if self.wakeup.wait(timeout=0.5) and self.gather_seconds:
                     time.sleep(self.gather_seconds)
                 self.wakeup.clear()
 

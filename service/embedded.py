@@ -8,6 +8,9 @@ in-process executor instead of Celery workers).
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -55,6 +58,38 @@ def ensure_default_tenant(sessions) -> str | None:
             return None
         _, key = create_tenant(s, "default")
         return key
+
+
+class ServerThread:
+    """An embedded server on a background thread (tests, benchmarks, notebooks)."""
+
+    def __init__(self, settings: Settings) -> None:
+        import uvicorn
+
+        self.settings = settings
+        self.embedded = build(settings)
+        self.embedded.scheduler.start()
+        config = uvicorn.Config(self.embedded.app, host=settings.host, port=settings.port, log_level="warning")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.base_url = f"http://{settings.host}:{settings.port}"
+
+    def new_tenant(self, name: str | None = None) -> str:
+        """Create a tenant and return its API key."""
+        with self.embedded.sessions() as s:
+            _, key = create_tenant(s, name or f"tenant-{uuid.uuid4().hex[:8]}")
+        return key
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self.embedded.scheduler.stop()
 
 
 def serve(settings: Settings) -> None:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import socket
-import threading
-import time
 import uuid
-from dataclasses import dataclass
 
 import pytest
 import sqlalchemy as sa
-import uvicorn
 
-from service.embedded import EmbeddedServer, build
+from service.embedded import ServerThread
 from service.settings import Settings
-from service.tenants import create_tenant
 
 POSTGRES_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -23,40 +18,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass
-class RunningServer:
-    base_url: str
-    embedded: EmbeddedServer
-    settings: Settings
-    _uvicorn: uvicorn.Server
-    _thread: threading.Thread
-
-    def new_tenant(self) -> str:
-        with self.embedded.sessions() as s:
-            _, key = create_tenant(s, f"tenant-{uuid.uuid4().hex[:8]}")
-        return key
-
-    def stop(self) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(timeout=30)
-        self.embedded.scheduler.stop()
-
-
-def start_server(settings: Settings) -> RunningServer:
-    embedded = build(settings)
-    embedded.scheduler.start()
-    config = uvicorn.Config(embedded.app, host="127.0.0.1", port=settings.port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    return RunningServer(f"http://127.0.0.1:{settings.port}", embedded, settings, server, thread)
 
 
 def postgres_database() -> str:
@@ -85,7 +46,7 @@ def server(request, tmp_path_factory):
         database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}"
     settings = Settings(data_dir=data_dir, database_url=database_url, port=free_port(), base_model="tiny",
                         cycle_gather_seconds=0.3, long_poll_seconds=5)
-    running = start_server(settings)
+    running = ServerThread(settings)
     yield running
     running.stop()
     if pg_name:

@@ -15,7 +15,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from db.models import Request, RequestState
 from scheduler.ordering import QueuedRequest
-from tests.service.conftest import free_port, start_server
+from service.embedded import ServerThread
+from tests.service.conftest import free_port
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
@@ -152,7 +153,7 @@ def test_another_tenants_models_answer_404(server):
 
 def test_restart_with_pending_work_completes_it(server, tmp_path):
     settings = server.settings.model_copy(update={"data_dir": tmp_path, "port": free_port(), "database_url": ""})
-    first = start_server(settings)
+    first = ServerThread(settings)
     key = first.new_tenant()
     client = tinker.ServiceClient(base_url=first.base_url, api_key=key)
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
@@ -163,7 +164,7 @@ def test_restart_with_pending_work_completes_it(server, tmp_path):
         fwd = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 3, sft_data(9)), headers=PROTOBUF)
     first.stop()
 
-    second = start_server(settings.model_copy(update={"port": free_port()}))
+    second = ServerThread(settings.model_copy(update={"port": free_port()}))
     try:
         with http_client(second, key) as http:
             assert "metrics" in wait_result(http, opt.json()["request_id"]).json()

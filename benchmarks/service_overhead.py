@@ -1,0 +1,165 @@
+"""What the service adds: a small forward_backward + optim_step through the official tinker SDK
+over HTTP (embedded server on loopback) versus the same engine calls in-process, side by side.
+
+    .venv/bin/python benchmarks/service_overhead.py [--rounds 100] [--clients 8]
+
+Part 1, latency: one client, `rounds` rounds of forward_backward(2 x 16 tokens).result() +
+optim_step().result(); p50/p99 per round through the SDK and in-process, and the p50 difference
+(the added latency, which includes HTTP, the database record of each request, the long-poll
+wake-up, and writing the adapter's durable state after every optim_step).
+Part 2, throughput: `clients` SDK clients (one tenant each) run rounds concurrently; requests/s
+and how many tenants shared each batched engine call on average.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import tinker
+import transformers
+import typer
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from service.embedded import ServerThread
+from service.settings import Settings
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers.trainer.engine import TrainerEngine
+
+RESULTS = Path(__file__).parent / "results" / "service_overhead.md"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def token_rows(seed: int, n: int = 2, length: int = 16) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, length + 1) for _ in range(n)]
+
+
+def sdk_data(rows) -> list[types.Datum]:
+    return [types.Datum(model_input=types.ModelInput.from_ints(r[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": r[1:], "weights": np.ones(len(r) - 1, np.float32)}) for r in rows]
+
+
+def engine_data(rows) -> list[Datum]:
+    return [Datum(r[:-1], {"target_tokens": r[1:], "weights": np.ones(len(r) - 1, np.float32)}) for r in rows]
+
+
+class RawClient:
+    """The same protocol calls as the SDK with plain httpx: separates server cost from SDK cost."""
+
+    def __init__(self, base_url: str, key: str, model_id: str) -> None:
+        self.http = httpx.Client(base_url=base_url, headers={"X-API-Key": key}, timeout=60)
+        self.model_id, self.seq_id = model_id, 0
+
+    def _wait(self, request_id: str) -> None:
+        while "try_again" in self.http.post("/api/v1/retrieve_future", json={"request_id": request_id}).text:
+            pass
+
+    def round(self, data: list[types.Datum]) -> None:
+        self.seq_id += 1
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+            model_id=self.model_id, seq_id=self.seq_id)
+        body = forward_backward_request_to_proto(request).SerializeToString()
+        r = self.http.post("/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+        self._wait(r.json()["request_id"])
+        self.seq_id += 1
+        r = self.http.post("/api/v1/optim_step", json={"model_id": self.model_id, "seq_id": self.seq_id,
+                                                         "adam_params": {"learning_rate": 1e-4}})
+        self._wait(r.json()["request_id"])
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def main(rounds: int = 100, clients: int = 8, write: bool = True) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    rows = token_rows(0)
+    server = ServerThread(Settings(data_dir=Path(tempfile.mkdtemp()), port=free_port()))
+    try:
+        # --- latency: SDK round vs in-process round, interleaved ---
+        tc = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant()).create_lora_training_client(
+            base_model="tiny", rank=8, seed=0).result()
+        engine = TrainerEngine("tiny")
+        engine.create_adapter("solo", LoraConfig(rank=8, seed=0))
+        raw_key = server.new_tenant()
+        raw_model = tinker.ServiceClient(base_url=server.base_url, api_key=raw_key).create_lora_training_client(
+            base_model="tiny", rank=8, seed=0).result().model_id
+        raw = RawClient(server.base_url, raw_key, raw_model)
+        sdk_times, raw_times, local_times = [], [], []
+        for i in range(rounds + 5):
+            t0 = time.perf_counter()
+            tc.forward_backward(sdk_data(rows), "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+            t1 = time.perf_counter()
+            raw.round(sdk_data(rows))
+            t2 = time.perf_counter()
+            engine.forward_backward([ForwardBackwardInput("solo", engine_data(rows))])
+            engine.optim_step([("solo", AdamParams(learning_rate=1e-4))])
+            t3 = time.perf_counter()
+            if i >= 5:  # warm-up
+                sdk_times.append(1000 * (t1 - t0))
+                raw_times.append(1000 * (t2 - t1))
+                local_times.append(1000 * (t3 - t2))
+        sdk_p50, sdk_p99 = percentiles(sdk_times)
+        raw_p50, raw_p99 = percentiles(raw_times)
+        local_p50, local_p99 = percentiles(local_times)
+
+        # --- throughput: concurrent clients, one tenant each ---
+        trainers = [tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
+                    .create_lora_training_client(base_model="tiny", rank=8, seed=i).result() for i in range(clients)]
+        per_client = max(1, rounds // clients * 2)
+        cycles_before = len(server.embedded.scheduler.cycle_log.cycles)
+
+        def run(trainer):
+            for _ in range(per_client):
+                trainer.forward_backward(sdk_data(rows), "cross_entropy").result()
+                trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        cycles = server.embedded.scheduler.cycle_log.cycles[cycles_before:]
+        requests_per_s = 2 * clients * per_client / elapsed
+        mean_batch = statistics.mean(len(c) for c in cycles)
+    finally:
+        server.stop()
+
+    lines = [
+        "| measure | value |", "|---|---|",
+        f"| round (fwd_bwd 2x16 tokens + optim_step) through the SDK, p50 / p99 | {sdk_p50:.1f} / {sdk_p99:.1f} ms |",
+        f"| same round with a bare HTTP client (httpx, no SDK), p50 / p99 | {raw_p50:.1f} / {raw_p99:.1f} ms |",
+        f"| same engine calls in-process, p50 / p99 | {local_p50:.1f} / {local_p99:.1f} ms |",
+        f"| added per call through the SDK, p50 | {(sdk_p50 - local_p50) / 2:.1f} ms |",
+        f"| added per call by the server + HTTP (bare client), p50 | {(raw_p50 - local_p50) / 2:.1f} ms |",
+        f"| {clients} concurrent SDK clients: requests/s | {requests_per_s:.0f} |",
+        f"| {clients} concurrent SDK clients: forward_backward requests per engine call (mean) | {mean_batch:.2f} |",
+    ]
+    print("\n".join(lines))
+    if write:
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(f"Command: `.venv/bin/python benchmarks/service_overhead.py --rounds {rounds} --clients {clients}`"
+                           f" (model tiny, SQLite, embedded server on loopback)\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)
