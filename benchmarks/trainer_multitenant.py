@@ -30,7 +30,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request
+from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.lora_layers import RoutingPlan
 
@@ -70,14 +70,15 @@ def round_one_tenant(engine, data):
 
 
 def round_lora_free(engine, data):
-    """The engine's own pass with an empty routing plan. The embeddings' output is made to
-    require grad, so the backward runs through every layer as it must with LoRA, while no
-    weight gradient is computed (not even the tied lm_head's)."""
+    """The engine's own passes (same pass size) with an empty routing plan. The embeddings' output
+    is made to require grad, so the backward runs through every layer as it must with LoRA, while
+    no weight gradient is computed (not even the tied lm_head's)."""
     request = ForwardBackwardInput("all", [d for tenant in data for d in tenant])
-    batch = pack([prepare_request(0, request, engine.vocab_size, engine.max_seq_len)])
+    prepared = [prepare_request(0, request, engine.vocab_size, engine.max_seq_len)]
     hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_())
     try:
-        engine.target_logprobs(batch, RoutingPlan([]))[:, 0].sum().backward()
+        for pieces in split_into_passes(prepared, engine.max_pass_tokens):
+            engine.target_logprobs(pack(pieces), RoutingPlan([]))[:, 0].sum().backward()
     finally:
         hook.remove()
 

@@ -92,3 +92,20 @@ def test_sampling_answers_not_available_yet(service_client):
     sampler = tc.save_weights_and_get_sampling_client()
     with pytest.raises(tinker.BadRequestError, match="not available yet"):
         sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def test_rest_checkpoint_lifecycle_and_sessions(server, service_client, api_key):
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+    path = tc.save_state("keep").result().path
+    rest = tinker.RestClient(base_url=server.base_url, api_key=api_key)
+    rest.publish_checkpoint_from_tinker_path(path).result()
+    assert [c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [True]
+    rest.unpublish_checkpoint_from_tinker_path(path).result()
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    (checkpoint,) = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert not checkpoint.public and checkpoint.expires_at is not None
+    assert rest.get_training_run(tc.model_id).result().lora_rank == 4
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
+    sessions = rest.list_sessions().result().sessions
+    assert sessions and tc.model_id in rest.get_session(sessions[0]).result().training_run_ids

@@ -136,3 +136,23 @@ def test_other_model_families_match_peft(family):
     for d, o in zip(data, out.loss_fn_outputs):
         expected = target_logprobs(model, d.tokens, d.loss_fn_inputs["target_tokens"]).detach()
         assert rel_err(o["logprobs"], expected) <= 1e-5
+
+
+def test_a_batch_split_into_several_passes_gives_the_same_results(engine, tiny_model_path):
+    requests = [
+        ForwardBackwardInput("a", datums("gspo", 20, lengths=(7, 9, 5, 11)), "gspo"),
+        ForwardBackwardInput("b", datums("cross_entropy", 21, lengths=(30, 2))),
+    ]
+    whole = engine.forward_backward(requests)
+    grads_whole = {a: grads(engine, a) for a in "ab"}
+    for a in "ab":
+        engine.adapter(a).zero_grad()
+    engine.max_pass_tokens = 12  # every pass holds one or two datums; the 30-token one goes alone
+    split = engine.forward_backward(requests)
+    for w, s in zip(whole, split):
+        assert s.metrics["loss:sum"] == pytest.approx(w.metrics["loss:sum"], rel=1e-6)
+        for x, y in zip(w.loss_fn_outputs, s.loss_fn_outputs):
+            torch.testing.assert_close(x["logprobs"], y["logprobs"], rtol=1e-6, atol=1e-6)
+    for a in "ab":
+        for name, g in grads(engine, a).items():
+            assert rel_err(g, grads_whole[a][name]) <= 1e-5, name

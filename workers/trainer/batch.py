@@ -7,7 +7,7 @@ and position i of the input predicts target_tokens[i].
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -53,6 +53,32 @@ class PreparedRequest:
     tokens: list[Tensor]  # int64 [N_d] per datum
     inputs: list[dict[str, Tensor]]  # per datum, every input the loss reads
     config: dict[str, float]
+    datum_ids: list[int] | None = None  # in a piece of a split request: which of its datums these are
+
+
+def split_into_passes(requests: list[PreparedRequest], max_tokens: int) -> list[list[PreparedRequest]]:
+    """Cut a batch into passes of at most `max_tokens` tokens, at datum boundaries (a longer datum
+    gets a pass of its own). Losses are sums over datums, so the pieces' results add up exactly."""
+    passes: list[list[PreparedRequest]] = []
+    current: list[PreparedRequest] = []
+    used = 0
+    for r in requests:
+        start = 0
+        for d, t in enumerate(r.tokens + [None]):
+            full = t is not None and used + t.numel() > max_tokens and used > 0
+            if t is None or full:
+                if d > start:
+                    current.append(replace(r, tokens=r.tokens[start:d], inputs=r.inputs[start:d],
+                                           datum_ids=list(range(start, d))))
+                    start = d
+                if full:
+                    passes.append(current)
+                    current, used = [], 0
+            if t is not None:
+                used += t.numel()
+    if current:
+        passes.append(current)
+    return passes
 
 
 def _as_tensor(value: TensorLike, where: str) -> Tensor:
