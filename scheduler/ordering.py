@@ -40,6 +40,9 @@ class ReorderBuffer:
             raise ValueError(f"{request.model_id} seq_id {request.seq_id} already ran")
         self._waiting.setdefault(request.model_id, {})[request.seq_id] = request
 
+    def knows(self, model_id: str) -> bool:
+        return model_id in self._next_seq
+
     def runnable(self) -> dict[str, list[QueuedRequest]]:
         """For each idle model, the requests it may run now: its next request, extended by the
         following consecutive requests while all of them are batchable (forward/backward)."""

@@ -110,8 +110,12 @@ class SchedulerService:
                 request = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            applied = s.scalar(sa.select(TrainingModel.last_applied_seq_id).where(TrainingModel.id == request.model_id))
-            next_seq = (applied + 1) if applied is not None else request.seq_id
+            next_seq = None
+            if not self.buffer.knows(request.model_id):  # first sight: the model's progress is in the database
+                applied = s.scalar(
+                    sa.select(TrainingModel.last_applied_seq_id).where(TrainingModel.id == request.model_id)
+                )
+                next_seq = (applied + 1) if applied is not None else request.seq_id
             try:
                 self.buffer.add(request, next_seq=next_seq)
             except ValueError:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from api.deps import DB, CurrentTenant
 from api.paths import TinkerPath
-from api.routes.training import owned_model
+from api.lookups import owned_model
 from db.models import Checkpoint, Request, TrainingModel, utcnow
 
 router = APIRouter()

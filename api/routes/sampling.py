@@ -8,8 +8,7 @@ from pydantic import BaseModel
 
 from api.deps import DB, CurrentTenant
 from api.paths import sampler_id
-from api.routes.sessions import owned_session
-from api.routes.training import resolve_checkpoint, served_model
+from api.lookups import owned_session, resolve_checkpoint, served_model
 from db.models import Sampler
 
 router = APIRouter()

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
 from api.deps import DB, CurrentTenant
+from api.lookups import owned_session
 from db.models import ClientSession, Sampler, TrainingModel, utcnow
 
 router = APIRouter()
@@ -24,13 +25,6 @@ class CreateSession(BaseModel):
 
 class SessionRef(BaseModel):
     session_id: str
-
-
-def owned_session(db: DB, tenant_id: str, session_id: str) -> ClientSession:
-    row = db.get(ClientSession, session_id)
-    if row is None or row.tenant_id != tenant_id:
-        raise HTTPException(404, f"session_id: no session {session_id!r}")
-    return row
 
 
 @router.post("/create_session")

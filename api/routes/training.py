@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from api.deps import DB, CurrentTenant
 from api.paths import TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, storage_path
-from api.routes.sessions import owned_session
+from api.lookups import owned_model, owned_session, resolve_checkpoint, served_model
 from api.submit import submit
 from db.models import Checkpoint, Sampler, TrainingModel
 from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
@@ -75,19 +75,6 @@ class LoadWeights(BaseModel):
     seq_id: int | None = None
     session_id: str | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
     model_seq_id: int | None = None
-
-
-def owned_model(db: DB, tenant_id: str, model_id: str) -> TrainingModel:
-    row = db.get(TrainingModel, model_id)
-    if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
-        raise HTTPException(404, f"model_id: no model {model_id!r}")
-    return row
-
-
-def served_model(request: Request, base_model: str) -> None:
-    info = request.app.state.model_info
-    if base_model not in request.app.state.served_names:
-        raise HTTPException(400, f"base_model: {base_model!r} is not served here; served: [{info.name!r}]")
 
 
 def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
@@ -216,14 +203,6 @@ def save_weights(body: SaveWeights, request: Request, tenant: CurrentTenant, db:
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     return _save(request, db, tenant.id, body, "save_weights_for_sampler", "sampler_weights")
-
-
-def resolve_checkpoint(db: DB, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:
-    parsed = TinkerPath.parse(path, field)
-    row = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == str(parsed)))
-    if row is None or (row.tenant_id != tenant_id and not row.public):
-        raise HTTPException(404, f"{field}: no checkpoint {path!r}")
-    return parsed, row
 
 
 @router.post("/load_weights")

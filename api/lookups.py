@@ -1,0 +1,38 @@
+"""Tenant-scoped lookups shared by the routes: another tenant's ids answer 404, never 403."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from fastapi import HTTPException, Request
+from sqlalchemy.orm import Session
+
+from api.paths import TinkerPath
+from db.models import Checkpoint, ClientSession, TrainingModel
+
+
+def owned_session(db: Session, tenant_id: str, session_id: str) -> ClientSession:
+    row = db.get(ClientSession, session_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise HTTPException(404, f"session_id: no session {session_id!r}")
+    return row
+
+
+def owned_model(db: Session, tenant_id: str, model_id: str) -> TrainingModel:
+    row = db.get(TrainingModel, model_id)
+    if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
+        raise HTTPException(404, f"model_id: no model {model_id!r}")
+    return row
+
+
+def served_model(request: Request, base_model: str) -> None:
+    info = request.app.state.model_info
+    if base_model not in request.app.state.served_names:
+        raise HTTPException(400, f"base_model: {base_model!r} is not served here; served: [{info.name!r}]")
+
+
+def resolve_checkpoint(db: Session, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:
+    parsed = TinkerPath.parse(path, field)
+    row = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == str(parsed)))
+    if row is None or (row.tenant_id != tenant_id and not row.public):
+        raise HTTPException(404, f"{field}: no checkpoint {path!r}")
+    return parsed, row
