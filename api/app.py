@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from api.routes import futures, runs, sampling, service, sessions, training
 
@@ -18,6 +19,16 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info) -
     app.state.served_names = served_names(model_info.name)
     for module in (service, sessions, training, futures, sampling, runs):
         app.include_router(module.router, prefix="/api/v1")
+
+    @app.middleware("http")
+    async def limit_body_size(request: Request, call_next):
+        # Refuse oversized bodies from their declared length, before reading them.
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_request_bytes:
+            return JSONResponse(status_code=413, content={
+                "detail": f"body: {length} bytes exceed the limit of {settings.max_request_bytes}"})
+        return await call_next(request)
+
     return app
 
 

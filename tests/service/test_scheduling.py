@@ -182,3 +182,14 @@ def test_restart_with_pending_work_completes_it(server, tmp_path):
         assert got == pytest.approx(want, rel=1e-5)
     finally:
         second.stop()
+
+
+def test_oversized_and_malformed_bodies_are_refused_with_the_field(server):
+    with http_client(server, server.new_tenant()) as http:
+        huge = b"\0" * (server.settings.max_request_bytes + 1)
+        r = http.post("/api/v1/forward_backward", content=huge, headers=PROTOBUF)
+        assert r.status_code == 413 and "body" in r.json()["detail"]
+        r = http.post("/api/v1/forward_backward", content=b"\x08\x96\x01garbage", headers=PROTOBUF)
+        assert r.status_code == 400 and r.json()["detail"].startswith("body")
+        r = http.post("/api/v1/optim_step", json={"model_id": "nope", "seq_id": 0})
+        assert r.status_code == 422 and "seq_id" in r.text
