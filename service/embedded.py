@@ -19,6 +19,7 @@ from api.app import create_app
 from db.models import Tenant
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from scheduler.executor import InProcessExecutor
+from scheduler.process_executor import ProcessExecutor
 from scheduler.notify import Notifier
 from scheduler.service import SchedulerService
 from service.settings import Settings
@@ -31,8 +32,13 @@ from workers.trainer.engine import TrainerEngine
 class EmbeddedServer:
     app: object
     scheduler: SchedulerService
-    engine: TrainerEngine
+    executor: InProcessExecutor | ProcessExecutor
     sessions: object
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        if isinstance(self.executor, ProcessExecutor):
+            self.executor.close()
 
 
 def build(settings: Settings) -> EmbeddedServer:
@@ -41,14 +47,17 @@ def build(settings: Settings) -> EmbeddedServer:
     upgrade_to_head(url)
     sessions = make_session_factory(make_engine(url))
     info = model_info(settings.base_model)
-    engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank)
+    live_dir = settings.data_dir / "live"
+    if settings.engine_process:
+        executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir)
+    else:
+        executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), live_dir)
     notifier = Notifier()
-    executor = InProcessExecutor(engine, settings.data_dir / "live")
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds)
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
                      model_info=info)
-    return EmbeddedServer(app, scheduler, engine, sessions)
+    return EmbeddedServer(app, scheduler, executor, sessions)
 
 
 def ensure_default_tenant(sessions) -> str | None:
@@ -89,7 +98,7 @@ class ServerThread:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
-        self.embedded.scheduler.stop()
+        self.embedded.close()
 
 
 def serve(settings: Settings) -> None:
@@ -108,4 +117,4 @@ def serve(settings: Settings) -> None:
     try:
         uvicorn.run(server.app, host=settings.host, port=settings.port, log_level="warning")
     finally:
-        server.scheduler.stop()
+        server.close()

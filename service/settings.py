@@ -18,6 +18,8 @@ class Settings(BaseSettings):
     port: int = 8000
 
     max_lora_rank: int = 64
+    # The trainer engine in a child process (its own GIL): the API stays responsive while it computes.
+    engine_process: bool = True
     cycle_token_budget: int = Field(8192, description="tokens per batched engine call (one scheduler cycle)")
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
