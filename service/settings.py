@@ -18,8 +18,9 @@ class Settings(BaseSettings):
     port: int = 8000
 
     max_lora_rank: int = 64
-    # The trainer engine in a child process (its own GIL): the API stays responsive while it computes.
-    engine_process: bool = True
+    # Embedded mode is one process with an in-process executor. True moves the trainer engine into
+    # a child process (its own GIL), so the API stays responsive while it computes.
+    engine_process: bool = False
     cycle_token_budget: int = Field(8192, description="tokens per batched engine call (one scheduler cycle)")
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
