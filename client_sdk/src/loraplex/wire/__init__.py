@@ -5,40 +5,5 @@
 official ``tinker`` SDK, so both can be imported in one process.
 """
 
-from .codec import (
-    DEFAULT_MAX_DECOMPRESSED_BYTES,
-    DEFAULT_MAX_DENSE_ELEMENTS,
-    METRIC_REDUCTIONS,
-    TOPK_MASK_LOGPROB,
-    DatumWire,
-    ForwardBackwardWire,
-    ProvenanceSpanWire,
-    SampledSequenceWire,
-    WireError,
-    decode_body,
-    decode_forward_backward_request,
-    decode_tensor,
-    encode_forward_backward_output,
-    encode_sample_response,
-    model_input_tokens,
-    tensor_data_from_json,
-)
-
-__all__ = [
-    "DEFAULT_MAX_DECOMPRESSED_BYTES",
-    "DEFAULT_MAX_DENSE_ELEMENTS",
-    "METRIC_REDUCTIONS",
-    "TOPK_MASK_LOGPROB",
-    "DatumWire",
-    "ForwardBackwardWire",
-    "ProvenanceSpanWire",
-    "SampledSequenceWire",
-    "WireError",
-    "decode_body",
-    "decode_forward_backward_request",
-    "decode_tensor",
-    "encode_forward_backward_output",
-    "encode_sample_response",
-    "model_input_tokens",
-    "tensor_data_from_json",
-]
+from .codec import *  # noqa: F403 -- the codec's public API, listed once in codec.__all__
+from .codec import __all__  # noqa: F401
