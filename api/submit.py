@@ -19,21 +19,16 @@ def submit(
     http: HttpRequest, db: Session, *, tenant_id: str, model_id: str, seq_id: int, kind: str,
     payload: bytes, content_type: str = "application/json", num_tokens: int = 0,
 ) -> dict[str, str]:
-    existing = db.scalar(sa.select(Request).where(Request.model_id == model_id, Request.seq_id == seq_id))
-    if existing is None:
-        row = Request(
-            tenant_id=tenant_id, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
-            payload_content_type=content_type, num_tokens=num_tokens,
-        )
-        db.add(row)
-        try:
-            db.commit()
-        except IntegrityError:  # a concurrent retry of the same (model, seq_id) won the race
-            db.rollback()
-            existing = db.scalar(sa.select(Request).where(Request.model_id == model_id, Request.seq_id == seq_id))
-        else:
-            http.app.state.scheduler.submit(
-                QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens)
-            )
-            return {"request_id": row.id, "model_id": model_id}
-    return {"request_id": existing.id, "model_id": model_id}
+    row = Request(
+        tenant_id=tenant_id, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
+        payload_content_type=content_type, num_tokens=num_tokens,
+    )
+    db.add(row)
+    try:
+        db.commit()
+    except IntegrityError:  # (model_id, seq_id) was accepted before: a retry gets the original request
+        db.rollback()
+        existing = db.scalar(sa.select(Request.id).where(Request.model_id == model_id, Request.seq_id == seq_id))
+        return {"request_id": existing, "model_id": model_id}
+    http.app.state.scheduler.submit(QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens))
+    return {"request_id": row.id, "model_id": model_id}

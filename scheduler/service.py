@@ -132,33 +132,34 @@ class SchedulerService:
                 return False
             requests = cycle.all()
             self.buffer.start(requests)
-            rows = {r.id: r for r in s.scalars(sa.select(Request).where(Request.id.in_([q.id for q in requests])))}
-            now = utcnow()
-            for row in rows.values():
-                row.state, row.started_at = RequestState.RUNNING, now
-            s.commit()
-            jobs = {q.id: Job(q, rows[q.id].payload) for q in requests}
+            selected = s.execute(sa.select(Request.id, Request.payload).where(Request.id.in_([q.id for q in requests])))
+            payloads = {request_id: payload for request_id, payload in selected}
+            jobs = {q.id: Job(q, payloads[q.id]) for q in requests}
+        # No "running" commit here: it would cost a database write per cycle on the latency path,
+        # and recovery re-runs pending and running requests alike. started_at is stored with the outcome.
+        started_at = utcnow()
         self.cycle_log.record(cycle)
         try:
             outcomes = self.executor.run_cycle(cycle, jobs)
         except Exception as e:  # the executor should not raise; if it does, fail the cycle clearly
             log.exception("cycle failed")
             outcomes = {q.id: Outcome.failed(f"internal error: {e}", "server") for q in requests}
-        self._store(requests, outcomes)
+        self._store(requests, outcomes, started_at)
         self.buffer.finish(requests)
         for q in requests:
             self.notifier.notify(q.id)
         return True
 
-    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome]) -> None:
+    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at) -> None:
         with self.sessions() as s:
             now = utcnow()
+            rows = {r.id: r for r in s.scalars(sa.select(Request).where(Request.id.in_([q.id for q in requests])))}
             for q in requests:
                 outcome = outcomes.get(q.id) or Outcome.failed("no outcome was produced", "server")
-                row = s.get(Request, q.id)
+                row = rows[q.id]
                 row.result, row.result_content_type, row.error = outcome.result, outcome.content_type, outcome.error
                 row.state = RequestState.FAILED if outcome.error else RequestState.DONE
-                row.finished_at = now
+                row.started_at, row.finished_at = started_at, now
                 if outcome.checkpoint:
                     self._record_checkpoint(s, q, outcome.checkpoint)
                 s.execute(
@@ -182,7 +183,13 @@ class SchedulerService:
 
     def run_forever(self) -> None:
         while not self._stop.is_set():
-            if not self.step():
+            try:
+                ran = self.step()
+            except Exception:  # e.g. the database is unreachable: keep the loop alive and retry
+                log.exception("scheduler step failed")
+                self._stop.wait(1.0)
+                continue
+            if not ran:
                 if self.wakeup.wait(timeout=0.5) and self.gather_seconds:
                     time.sleep(self.gather_seconds)
                 self.wakeup.clear()
