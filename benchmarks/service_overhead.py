@@ -13,7 +13,6 @@ and how many tenants shared each batched engine call on average.
 
 from __future__ import annotations
 
-import socket
 import statistics
 import tempfile
 import threading
@@ -28,19 +27,13 @@ import typer
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from service.embedded import ServerThread
+from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
 
 RESULTS = Path(__file__).parent / "results" / "service_overhead.md"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def token_rows(seed: int, n: int = 2, length: int = 16) -> list[np.ndarray]:

@@ -8,6 +8,7 @@ in-process executor instead of Celery workers).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -67,6 +68,13 @@ def ensure_default_tenant(sessions) -> str | None:
             return None
         _, key = create_tenant(s, "default")
         return key
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
 import sqlalchemy as sa
 
-from service.embedded import ServerThread
+from service.embedded import ServerThread, free_port
 from service.settings import Settings
 
 POSTGRES_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def postgres_database() -> str:

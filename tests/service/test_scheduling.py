@@ -15,8 +15,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from db.models import Request, RequestState
 from scheduler.ordering import QueuedRequest
-from service.embedded import ServerThread
-from tests.service.conftest import free_port
+from service.embedded import ServerThread, free_port
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 

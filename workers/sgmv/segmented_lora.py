@@ -61,7 +61,7 @@ class _SegmentedLoRA(torch.autograd.Function):
         lora_as, lora_bs = weights[:n], weights[n:]
         x2 = x.reshape(-1, x.shape[-1])
         out2 = base_out.view(-1, base_out.shape[-1])
-        if use_triton:
+        if use_triton:  # `shrunk` then holds v and the kernels' stacked inputs, reused by the backward
             shrunk = _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs)
         else:
             shrunk = []
@@ -84,7 +84,7 @@ class _SegmentedLoRA(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         need_dx = ctx.needs_input_grad[0]
         if ctx.use_triton:
-            dx, grad_as, grad_bs = _triton_backward(x2, g2, bounds, scales, lora_as, lora_bs, shrunk[0], need_dx)
+            dx, grad_as, grad_bs = _triton_backward(x2, g2, lora_as, lora_bs, shrunk, need_dx)
         else:
             dx = _zeros_outside(x2, bounds) if need_dx else None
             grad_as, grad_bs = [], []
@@ -139,15 +139,13 @@ def _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs):
     stacked_b = _stack_padded(lora_bs, rank_dim=1)  # [S, out, R]
     v = tk.sgmv_shrink(x2, stacked_a, starts, ends)
     tk.sgmv_expand(v, stacked_b, starts, ends, scale, out=out2, accumulate=True)
-    return [v]
+    return [v, stacked_a, stacked_b, starts, ends, scale]
 
 
-def _triton_backward(x2, g2, bounds, scales, lora_as, lora_bs, v, need_dx):
+def _triton_backward(x2, g2, lora_as, lora_bs, saved, need_dx):
     from workers.sgmv import triton_kernels as tk
 
-    starts, ends, scale = _segment_tensors(bounds, scales, x2.device)
-    stacked_a = _stack_padded(lora_as, rank_dim=0)
-    stacked_b = _stack_padded(lora_bs, rank_dim=1)
+    v, stacked_a, stacked_b, starts, ends, scale = saved
     dv = tk.sgmv_shrink(g2, stacked_b.transpose(1, 2), starts, ends, scale)
     dx = tk.sgmv_expand(dv, stacked_a.transpose(1, 2), starts, ends) if need_dx else None
     stacked_grad_a = tk.sgmv_weight_grad(dv, x2, starts, ends)
