@@ -61,6 +61,7 @@ class SchedulerService:
         # After idling, wait this long before planning, so requests that several tenants send at
         # about the same time share a cycle (the price: this much latency on an idle server).
         self.gather_seconds = gather_seconds
+        self._idle = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -104,12 +105,14 @@ class SchedulerService:
                 replay = [queued(r) for r in rows]
                 self.executor.run_cycle(Cycle(forward_backward=replay), {q.id: Job(q, r.payload) for q, r in zip(replay, rows)})
 
-    def _drain_inbox(self, s: Session) -> None:
+    def _drain_inbox(self, s: Session) -> int:
+        drained = 0
         while True:
             try:
                 request = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained += 1
             next_seq = None
             if not self.buffer.knows(request.model_id):  # first sight: the model's progress is in the database
                 applied = s.scalar(
@@ -126,8 +129,11 @@ class SchedulerService:
     def step(self) -> bool:
         """Plan and run one cycle; False when there was nothing to run."""
         with self.sessions() as s:
-            self._drain_inbox(s)
+            if self._drain_inbox(s) and self._idle and self.gather_seconds:
+                time.sleep(self.gather_seconds)  # the first arrival after idling waits for its peers
+                self._drain_inbox(s)
             cycle = self.planner.plan(self.buffer.runnable())
+            self._idle = not cycle
             if not cycle:
                 return False
             requests = cycle.all()
@@ -190,8 +196,7 @@ class SchedulerService:
                 self._stop.wait(1.0)
                 continue
             if not ran:
-                if self.wakeup.wait(timeout=0.5) and self.gather_seconds:
-                    time.sleep(self.gather_seconds)
+                self.wakeup.wait(timeout=0.5)
                 self.wakeup.clear()
 
     def start(self) -> None:
