@@ -8,14 +8,18 @@ from fastapi.responses import JSONResponse
 from api.routes import futures, runs, sampling, service, sessions, training
 
 
-def create_app(*, settings, sessions_factory, scheduler, notifier, model_info) -> FastAPI:
-    """`scheduler` needs only `.submit(QueuedRequest)`; `model_info` describes the served base model."""
+def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, sampling_dispatcher=None,
+               sampling_unavailable: str = "") -> FastAPI:
+    """`scheduler` needs only `.submit(QueuedRequest)`; `model_info` describes the served base model;
+    `sampling_dispatcher` serves asample (None, with the reason, where this server cannot sample)."""
     app = FastAPI(title="Loraplex", version="0.1.0")
     app.state.settings = settings
     app.state.sessions = sessions_factory
     app.state.scheduler = scheduler
     app.state.notifier = notifier
     app.state.model_info = model_info
+    app.state.sampling = sampling_dispatcher
+    app.state.sampling_unavailable = sampling_unavailable
     app.state.served_names = served_names(model_info.name)
     for module in (service, sessions, training, futures, sampling, runs):
         app.include_router(module.router, prefix="/api/v1")

@@ -49,3 +49,13 @@ class TinkerPath:
 
 def storage_path(checkpoint_dir: Path, tenant_id: str, path: TinkerPath) -> Path:
     return checkpoint_dir / tenant_id / path.run_id / path.kind / path.name
+
+
+def snapshot_folder(checkpoint_folder: Path, seq_id: int) -> Path:
+    """One version of a sampler checkpoint: <checkpoint folder>/seq-<the save's seq_id>."""
+    return checkpoint_folder / f"seq-{seq_id}"
+
+
+def checkpoint_root(storage_path: str, kind: str) -> Path:
+    """The folder holding every file of a checkpoint (all versions, for sampler weights)."""
+    return Path(storage_path).parent if kind == "sampler" else Path(storage_path)

@@ -6,21 +6,25 @@ whose response was lost is never run twice.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import sqlalchemy as sa
 from fastapi import Request as HttpRequest
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from db.models import Request
+from db.models import Request, new_id
 from scheduler.ordering import QueuedRequest
 
 
 def submit(
-    http: HttpRequest, db: Session, *, tenant_id: str, model_id: str, seq_id: int, kind: str,
+    http: HttpRequest, db: Session, *, tenant_id: str, model_id: str | None, seq_id: int | None, kind: str,
     payload: bytes, content_type: str = "application/json", num_tokens: int = 0,
+    request_id: str | None = None, dispatch: Callable[[], None] | None = None,
 ) -> dict[str, str]:
+    """Store the request and queue it: on the trainer scheduler, or through `dispatch` (samples)."""
     row = Request(
-        tenant_id=tenant_id, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
+        id=request_id or new_id(), tenant_id=tenant_id, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
         payload_content_type=content_type, num_tokens=num_tokens,
     )
     db.add(row)
@@ -30,5 +34,8 @@ def submit(
         db.rollback()
         existing = db.scalar(sa.select(Request.id).where(Request.model_id == model_id, Request.seq_id == seq_id))
         return {"request_id": existing, "model_id": model_id}
-    http.app.state.scheduler.submit(QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens))
+    if dispatch is not None:
+        dispatch()
+    else:
+        http.app.state.scheduler.submit(QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens))
     return {"request_id": row.id, "model_id": model_id}

@@ -148,6 +148,8 @@ class Sampler(Base):
     session_id: Mapped[str] = mapped_column(sa.ForeignKey("sessions.id"))
     base_model: Mapped[str]
     model_path: Mapped[str | None]  # a tinker:// sampler checkpoint; None samples the base model
+    # the snapshot folder current when the sampler was created: it samples exactly those weights
+    adapter_path: Mapped[str | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

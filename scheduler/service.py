@@ -24,6 +24,7 @@ from scheduler.executor import Job, Outcome
 from scheduler.notify import Notifier
 from scheduler.ordering import QueuedRequest, ReorderBuffer
 from scheduler.planner import Cycle, CyclePlanner
+from scheduler.sampling import SAMPLE
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,13 @@ class SchedulerService:
         self.wakeup.set()
 
     def recover(self) -> int:
-        """Queue every request that was accepted but not finished (a running one is re-run: its
-        effects were never committed, since outcomes and model progress are stored together)."""
+        """Queue every training request that was accepted but not finished (a running one is re-run:
+        its effects were never committed, since outcomes and model progress are stored together).
+        Samples are the sampling dispatcher's."""
         with self.sessions() as s:
             rows = s.scalars(
                 sa.select(Request)
-                .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]))
+                .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]), Request.kind != SAMPLE)
                 .order_by(Request.created_at)
             ).all()
             for row in rows:

@@ -8,6 +8,7 @@ in-process executor instead of Celery workers).
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import threading
 import time
@@ -22,10 +23,12 @@ from db.session import make_engine, make_session_factory, upgrade_to_head
 from scheduler.executor import InProcessExecutor
 from scheduler.process_executor import ProcessExecutor
 from scheduler.notify import Notifier
+from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
 from service.settings import Settings
 from service.tenants import create_tenant
 from workers.models.registry import model_info
+from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.trainer.engine import TrainerEngine
 
 
@@ -35,11 +38,35 @@ class EmbeddedServer:
     scheduler: SchedulerService
     executor: InProcessExecutor | ProcessExecutor
     sessions: object
+    sampling: SamplingDispatcher | None = None
+
+    def start(self) -> None:
+        self.scheduler.start()
+        if self.sampling is not None:
+            self.sampling.engine.start()  # in the background: the API answers while vLLM loads
+            self.sampling.recover()
 
     def close(self) -> None:
         self.scheduler.stop()
+        if self.sampling is not None:
+            self.sampling.close()
         if isinstance(self.executor, ProcessExecutor):
             self.executor.close()
+
+
+def build_sampling(settings: Settings, info, sessions, notifier: Notifier) -> tuple[SamplingDispatcher | None, str]:
+    """The sampling dispatcher and its (not yet started) vLLM engine, or None and why not."""
+    if not settings.sampler_enabled:
+        return None, "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)"
+    if importlib.util.find_spec("vllm") is None:
+        return None, "vLLM is not installed (pip install -e '.[sampler-cpu]', or '.[sampler-gpu]' on a GPU machine)"
+    engine = SamplerEngine(SamplerConfig(
+        model_path=info.path, max_model_len=info.max_context, max_lora_rank=settings.max_lora_rank,
+        max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras,
+        dtype=settings.sampler_dtype, kv_cache_gib=settings.sampler_kv_cache_gib,
+        engine_process=settings.sampler_engine_process,
+    ))
+    return SamplingDispatcher(sessions, engine, notifier, settings.sampler_max_pending), ""
 
 
 def build(settings: Settings) -> EmbeddedServer:
@@ -56,9 +83,10 @@ def build(settings: Settings) -> EmbeddedServer:
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds)
+    sampling, unavailable = build_sampling(settings, info, sessions, notifier)
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
-                     model_info=info)
-    return EmbeddedServer(app, scheduler, executor, sessions)
+                     model_info=info, sampling_dispatcher=sampling, sampling_unavailable=unavailable)
+    return EmbeddedServer(app, scheduler, executor, sessions, sampling)
 
 
 def ensure_default_tenant(sessions) -> str | None:
@@ -85,7 +113,7 @@ class ServerThread:
 
         self.settings = settings
         self.embedded = build(settings)
-        self.embedded.scheduler.start()
+        self.embedded.start()
         config = uvicorn.Config(self.embedded.app, host=settings.host, port=settings.port, log_level="warning")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
@@ -114,7 +142,7 @@ def serve(settings: Settings) -> None:
 
     server = build(settings)
     key = ensure_default_tenant(server.sessions)
-    server.scheduler.start()
+    server.start()
     base_url = f"http://{settings.host}:{settings.port}"
     print(f"Loraplex serving {settings.base_model} at {base_url}")
     if key:

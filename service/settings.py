@@ -25,6 +25,16 @@ class Settings(BaseSettings):
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
     max_request_bytes: int = 64 * 1024 * 1024
+
+    # The sampler: a multi-LoRA vLLM engine beside the trainer (needs the sampler-cpu/-gpu extra).
+    sampler_enabled: bool = True
+    sampler_max_loras: int = Field(8, description="adapters sampled together in one batch")
+    sampler_max_cpu_loras: int = Field(64, description="adapter snapshots kept loaded (least recently used evicted)")
+    sampler_dtype: str = "float32"  # the trainer's dtype: sampler and trainer logprobs agree closely
+    sampler_kv_cache_gib: float = 1.0
+    sampler_max_pending: int = Field(256, description="samples in flight before asample answers 429")
+    sampler_max_samples: int = Field(128, description="num_samples limit of one request")
+    sampler_engine_process: bool = False  # vLLM's engine core in a child process (slower start)
     long_poll_seconds: float = 30.0  # retrieve_future holds the request this long before try_again
 
     @property

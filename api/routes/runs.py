@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel
 
 from api.deps import DB, CurrentTenant
-from api.paths import TinkerPath
+from api.paths import TinkerPath, checkpoint_root
 from api.lookups import owned_model
 from db.models import Checkpoint, Request, TrainingModel, utcnow
 
@@ -127,7 +127,7 @@ def set_ttl(run_id: str, checkpoint_id: str, body: Ttl, tenant: CurrentTenant, d
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 def delete_checkpoint(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
-    shutil.rmtree(row.storage_path, ignore_errors=True)
+    shutil.rmtree(checkpoint_root(row.storage_path, row.kind), ignore_errors=True)
     db.delete(row)
     db.commit()
     return {}

@@ -1,18 +1,32 @@
-"""Sampling sessions. Sessions and samplers are recorded now; sampling itself arrives with the
-multi-LoRA vLLM sampler, and until then `asample` answers a clear 400 instead of pretending."""
+"""Sampling sessions and `asample`: token-in/token-out through the multi-LoRA vLLM sampler.
+
+A sampler is pinned to one immutable snapshot folder (or to the base model) when it is created;
+`asample` validates the request, stores it, hands it to the sampling dispatcher and answers at
+once with the request id and the ids of the sequences to come. Each sequence id ends with the
+policy version that will produce it (`@v<optimizer steps>`, or `@base`), so async RL can measure
+staleness without another call.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from api.deps import DB, CurrentTenant
-from api.paths import sampler_id
 from api.lookups import owned_session, resolve_checkpoint, served_model
-from db.models import Sampler
+from api.paths import sampler_id
+from api.submit import submit
+from db.models import Sampler, new_id
+from loraplex.wire.codec import WireError, model_input_tokens
+from scheduler.sampling import SAMPLE, SamplerBusy
+from workers.sampler.jobs import SampleJob, SamplingOptions
+from workers.trainer.checkpoints import read_snapshot_metadata
 
 router = APIRouter()
-NOT_YET = "sampling is not available yet on this server (the vLLM sampler is not built yet)"
+MAX_TOPK = 20  # vLLM's default max_logprobs
 
 
 class CreateSamplingSession(BaseModel):
@@ -26,25 +40,161 @@ class CreateSamplingSession(BaseModel):
 def create_sampling_session(body: CreateSamplingSession, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     session = owned_session(db, tenant.id, body.session_id)
     base_model = body.base_model or request.app.state.model_info.name
+    adapter_path = None
     if body.model_path:
-        resolve_checkpoint(db, tenant.id, body.model_path, "model_path")
+        _, checkpoint = resolve_checkpoint(db, tenant.id, body.model_path, "model_path")
+        if checkpoint.kind != "sampler":
+            raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
+        adapter_path = checkpoint.storage_path  # pinned: a later save under this name makes a new folder
     served_model(request, base_model)
     sid = sampler_id(session.id, body.sampling_session_seq_id)
     if db.get(Sampler, sid) is None:
         db.add(Sampler(id=sid, tenant_id=tenant.id, session_id=session.id, base_model=base_model,
-                       model_path=body.model_path))
+                       model_path=body.model_path, adapter_path=adapter_path))
         db.commit()
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
+def owned_sampler(db: DB, tenant_id: str, sid: str) -> Sampler:
+    row = db.get(Sampler, sid)
+    if row is None or row.tenant_id != tenant_id:
+        raise HTTPException(404, f"sampling_session_id: no sampler {sid!r}")
+    return row
+
+
+_versions: dict[str, int] = {}  # snapshot folders are immutable once written: cache what was read
+
+
+def _snapshot_version(adapter_path: str) -> int | None:
+    """The policy version of a snapshot folder, or None while it is not written."""
+    if adapter_path not in _versions:
+        metadata = read_snapshot_metadata(adapter_path)
+        if metadata is None:
+            return None
+        _versions[adapter_path] = int(metadata["policy_version"])
+    return _versions[adapter_path]
+
+
+def policy_version(adapter_path: str | None) -> str:
+    if adapter_path is None:
+        return "base"
+    version = _snapshot_version(adapter_path)
+    if version is None:
+        raise HTTPException(404, "sampling_session_id: the sampler's weights are not saved (yet) or were deleted")
+    return f"v{version}"
+
+
 @router.get("/samplers/{sampling_session_id}")
 def get_sampler(sampling_session_id: str, tenant: CurrentTenant, db: DB) -> dict:
-    row = db.get(Sampler, sampling_session_id)
-    if row is None or row.tenant_id != tenant.id:
-        raise HTTPException(404, f"sampling_session_id: no sampler {sampling_session_id!r}")
-    return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+    row = owned_sampler(db, tenant.id, sampling_session_id)
+    version = _snapshot_version(row.adapter_path) if row.adapter_path else None
+    return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path,
+            "policy_version": version}
+
+
+# --- asample -------------------------------------------------------------------------------------
+
+
+class SamplingParamsIn(BaseModel):
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_k: int = -1
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+
+class SampleRequestIn(BaseModel):
+    prompt: dict[str, Any]
+    num_samples: int = Field(default=1, ge=1)
+    sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
+    sampling_session_id: str | None = None
+    base_model: str | None = None  # legacy addressing, without a sampling session
+    model_path: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
+    target_prompt_logprobs: Any = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=0)
+    record_stability_info: bool = False
+
+
+def _options(p: SamplingParamsIn, prompt_len: int, max_context: int, vocab: int) -> SamplingOptions:
+    room = max_context - prompt_len
+    max_tokens = p.max_tokens if p.max_tokens is not None else room
+    if max_tokens > room or room < 1:
+        raise HTTPException(400, f"sampling_params.max_tokens: prompt ({prompt_len}) + max_tokens ({max_tokens}) "
+                                 f"exceed the model's context of {max_context} tokens")
+    if not math.isfinite(p.temperature) or not math.isfinite(p.top_p):
+        raise HTTPException(400, "sampling_params: temperature and top_p must be finite")
+    if p.top_k != -1 and p.top_k < 1:
+        raise HTTPException(400, f"sampling_params.top_k: -1 (no limit) or >= 1, got {p.top_k}")
+    stop = [p.stop] if isinstance(p.stop, str) else p.stop
+    ids = tuple(s for s in stop or () if isinstance(s, int))
+    if any(not 0 <= t < vocab for t in ids):
+        raise HTTPException(400, f"sampling_params.stop: token ids must be in [0, {vocab})")
+    return SamplingOptions(
+        max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+        stop_strings=tuple(s for s in stop or () if isinstance(s, str)), stop_token_ids=ids,
+        ignore_eos=stop == [],  # Tinker: [] disables every stop, EOS included
+    )
+
+
+def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> tuple[str | None, str | None]:
+    """(sampler id or None, snapshot folder or None) of the request."""
+    if body.sampling_session_id is not None:
+        sampler = owned_sampler(db, tenant_id, body.sampling_session_id)
+        return sampler.id, sampler.adapter_path
+    if body.model_path is not None:
+        _, checkpoint = resolve_checkpoint(db, tenant_id, body.model_path, "model_path")
+        if checkpoint.kind != "sampler":
+            raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
+        return None, checkpoint.storage_path
+    if body.base_model is not None:
+        served_model(request, body.base_model)
+        return None, None
+    raise HTTPException(400, "sampling_session_id: required (or the legacy base_model / model_path)")
 
 
 @router.post("/asample")
-def asample(tenant: CurrentTenant) -> dict:
-    raise HTTPException(400, NOT_YET)
+def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    dispatcher = request.app.state.sampling
+    if dispatcher is None:
+        raise HTTPException(400, f"sampling is not available on this server: {request.app.state.sampling_unavailable}")
+    if body.target_prompt_logprobs is not None:
+        raise HTTPException(400, "target_prompt_logprobs: not supported by this server")
+    if body.prompt_alt_tokens_k:
+        raise HTTPException(400, "prompt_alt_tokens_k: not supported by this server")
+    settings, info = request.app.state.settings, request.app.state.model_info
+    if body.num_samples > settings.sampler_max_samples:
+        raise HTTPException(400, f"num_samples: at most {settings.sampler_max_samples}, got {body.num_samples}")
+    try:
+        prompt = [int(t) for t in model_input_tokens(body.prompt, "prompt")]
+    except WireError as e:
+        raise HTTPException(400, str(e)) from None
+    if not prompt:
+        raise HTTPException(400, "prompt: needs at least one token")
+    if max(prompt) >= info.vocab_size:
+        raise HTTPException(400, f"prompt: token id {max(prompt)} is not below the vocabulary size {info.vocab_size}")
+    options = _options(body.sampling_params, len(prompt), info.max_context, info.vocab_size)
+    sid, adapter_path = _target(body, request, tenant.id, db)
+    version = policy_version(adapter_path)
+    try:
+        dispatcher.check_capacity()
+    except SamplerBusy as e:
+        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+    job = SampleJob(
+        request_id=new_id(), prompt=tuple(prompt), num_samples=body.num_samples, options=options,
+        adapter_path=adapter_path, prompt_logprobs=body.prompt_logprobs,
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n, topk_prompt_logprobs=body.topk_prompt_logprobs,
+        topk_sample_logprobs=body.topk_sample_logprobs,
+    )
+    seq_id = body.seq_id if sid is not None else None  # (sampler, seq_id) dedupes the client's retries
+    accepted = submit(request, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id, kind=SAMPLE,
+                      payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,
+                      dispatch=lambda: dispatcher.submit(job))
+    prefix = f"{sid or accepted['request_id']}:{seq_id if seq_id is not None else 0}"
+    accepted["sample_sequence_ids"] = [f"{prefix}:{i}@{version}" for i in range(body.num_samples)]
+    return accepted

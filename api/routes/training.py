@@ -16,7 +16,9 @@ from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
 from api.deps import DB, CurrentTenant
-from api.paths import TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, storage_path
+from api.paths import (
+    TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
+)
 from api.lookups import owned_model, owned_session, resolve_checkpoint, served_model
 from api.submit import submit
 from db.models import Checkpoint, Sampler, TrainingModel
@@ -185,11 +187,13 @@ def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str
     exists = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == str(path)))
     if exists is not None and not body.overwrite and dir_kind == "weights":
         raise HTTPException(400, f"path: checkpoint {str(path)!r} exists; pass overwrite=true to replace it")
-    payload.update(name=name, tinker_path=str(path),
-                   storage_path=str(storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)))
+    folder = storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)
+    if dir_kind == "sampler_weights":  # a new folder per save: samplers of an earlier save keep theirs
+        folder = snapshot_folder(folder, body.seq_id)
+    payload.update(name=name, tinker_path=str(path), storage_path=str(folder))
     if payload.get("sampling_session_id") and db.get(Sampler, payload["sampling_session_id"]) is None:
         db.add(Sampler(id=payload["sampling_session_id"], tenant_id=tenant_id, session_id=model.session_id,
-                       base_model=model.base_model, model_path=str(path)))
+                       base_model=model.base_model, model_path=str(path), adapter_path=str(folder)))
         db.flush()
     return submit(request, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
                   payload=json.dumps(payload).encode())

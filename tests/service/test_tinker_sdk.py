@@ -87,10 +87,10 @@ def test_bad_request_is_a_clear_4xx(service_client):
         service_client.create_lora_training_client(base_model="tiny", rank=1000).result()
 
 
-def test_sampling_answers_not_available_yet(service_client):
+def test_a_server_without_sampler_says_so(service_client):
     tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
     sampler = tc.save_weights_and_get_sampling_client()
-    with pytest.raises(tinker.BadRequestError, match="not available yet"):
+    with pytest.raises(tinker.BadRequestError, match="sampler is disabled"):
         sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
 
 

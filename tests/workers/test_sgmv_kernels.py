@@ -60,7 +60,9 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     assert actual.dtype == expected.dtype
     assert actual.shape == expected.shape
     if dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        # fp32 sums over K <= 200 in the kernels' block order vs torch's: a few 1e-6 apart, and the
+        # interpreter's tl.dot (numpy's BLAS) moves with the numpy build: 1.1e-5 seen on numpy 2.3.5
+        torch.testing.assert_close(actual, expected, rtol=3e-5, atol=3e-5)
     else:
         # bf16 outputs may differ by one bf16 ulp (<= 2^-7 relative) where fp32 sums
         # accumulated in a different order round to different neighbours.

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.sgmv import segment_ops
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -66,9 +68,8 @@ class _SegmentedLoRA(torch.autograd.Function):
         else:
             shrunk = []
             for (start, end), a, b, scale in zip(bounds, lora_as, lora_bs, scales):
-                v = F.linear(x2[start:end], a)
-                # in place with the scale folded in: no [tokens, out] temporaries (out can be a vocab wide)
-                out2[start:end].addmm_(v, b.t(), alpha=scale)
+                v = segment_ops.shrink(x2, a, slice(start, end))
+                segment_ops.expand_(out2, v, b, slice(start, end), scale)  # in place: out can be vocab wide
                 shrunk.append(v)
         ctx.mark_dirty(base_out)
         ctx.bounds, ctx.scales, ctx.use_triton, ctx.x_shape = bounds, scales, use_triton, x.shape

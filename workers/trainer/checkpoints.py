@@ -27,6 +27,7 @@ STATE_FORMAT = "loraplex-training-state/1"
 STATE_TENSORS = "state.safetensors"
 MANIFEST = "manifest.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
+SNAPSHOT_METADATA = "loraplex.json"  # beside a PEFT folder's files: {"policy_version": steps, "adapter_id": ...}
 
 
 class CheckpointError(EngineError):
@@ -65,8 +66,11 @@ def _sha256(path: Path) -> str:
 # --- PEFT folder (sampler weights) -------------------------------------------------------------
 
 
-def save_peft_adapter(adapter: Adapter, path: str | Path, base_model_path: str | Path) -> Path:
-    """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is."""
+def save_peft_adapter(
+    adapter: Adapter, path: str | Path, base_model_path: str | Path, metadata: dict | None = None
+) -> Path:
+    """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is;
+    `metadata` goes to `loraplex.json` beside them (e.g. the policy version the snapshot is)."""
     from peft import LoraConfig as PeftLoraConfig
 
     cfg = adapter.config
@@ -88,7 +92,17 @@ def save_peft_adapter(adapter: Adapter, path: str | Path, base_model_path: str |
     with atomic_folder(path) as tmp:
         peft_config.save_pretrained(tmp)
         save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+        if metadata is not None:
+            (tmp / SNAPSHOT_METADATA).write_text(json.dumps(metadata))
     return Path(path)
+
+
+def read_snapshot_metadata(path: str | Path) -> dict | None:
+    """The `loraplex.json` of a sampler snapshot folder, or None if the folder or file is missing."""
+    try:
+        return json.loads((Path(path) / SNAPSHOT_METADATA).read_text())
+    except FileNotFoundError:
+        return None
 
 
 # --- training state ----------------------------------------------------------------------------

@@ -203,7 +203,10 @@ class TrainerEngine:
     # --- checkpoints -----------------------------------------------------------------------------
 
     def save_sampler_weights(self, adapter_id: str, path: str | Path) -> Path:
-        return checkpoints.save_peft_adapter(self.adapter(adapter_id), path, self.model_path)
+        """A PEFT folder, plus the policy version it is: the optimizer steps applied so far."""
+        adapter = self.adapter(adapter_id)
+        metadata = {"policy_version": adapter.step, "adapter_id": adapter_id}
+        return checkpoints.save_peft_adapter(adapter, path, self.model_path, metadata)
 
     def save_state(self, adapter_id: str, path: str | Path, extra: dict | None = None) -> Path:
         return checkpoints.save_training_state(self.adapter(adapter_id), path, extra)

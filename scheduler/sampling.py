@@ -1,0 +1,75 @@
+"""Sample requests: from the API's request table to the sampler engine, and the results back.
+
+Samples have no ordering requirement (protocol section 4.5), so they bypass the trainer's
+seq_id reorder buffer: each accepted request goes straight to the sampler engine, which batches
+whatever is in flight. The outcome is stored in the request row and the long-poll is woken,
+as for training requests. On start, accepted but unfinished samples are submitted again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from db.models import Request, RequestState, utcnow
+from loraplex.wire.codec import encode_sample_response
+from scheduler.notify import Notifier
+from workers.sampler.engine import SamplerEngine
+from workers.sampler.jobs import SampleJob, SampleResult
+from workers.trainer.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+PROTOBUF = "application/x-protobuf"
+SAMPLE = "sample"
+
+
+class SamplerBusy(Exception):
+    """Too many samples in flight: the API answers 429 and the client backs off and retries."""
+
+
+class SamplingDispatcher:
+    def __init__(self, sessions: sessionmaker[Session], engine: SamplerEngine, notifier: Notifier,
+                 max_pending: int) -> None:
+        self.sessions = sessions
+        self.engine = engine
+        self.notifier = notifier
+        self.max_pending = max_pending
+
+    def check_capacity(self) -> None:
+        if self.engine.pending >= self.max_pending:
+            raise SamplerBusy(f"the sampler has {self.engine.pending} requests in flight (limit {self.max_pending})")
+
+    def submit(self, job: SampleJob) -> None:
+        self.engine.submit(job, self._done)
+
+    def recover(self) -> int:
+        with self.sessions() as s:
+            rows = s.scalars(
+                sa.select(Request).where(Request.kind == SAMPLE, Request.state == RequestState.PENDING)
+                .order_by(Request.created_at)
+            ).all()
+            jobs = [SampleJob.from_json(row.payload) for row in rows]
+        for job in jobs:
+            self.submit(job)
+        return len(jobs)
+
+    def _done(self, request_id: str, outcome: SampleResult | EngineError) -> None:
+        with self.sessions() as s:
+            row = s.get(Request, request_id)
+            if isinstance(outcome, EngineError):
+                row.error, row.state = {"error": str(outcome), "category": outcome.category}, RequestState.FAILED
+            else:
+                row.result = encode_sample_response(
+                    outcome.sequences, outcome.prompt_logprobs, topk_prompt_logprobs=outcome.topk_prompt_logprobs,
+                    topk_k=outcome.topk, prompt_cache_hit_tokens=outcome.prompt_cache_hit_tokens,
+                )
+                row.result_content_type, row.state = PROTOBUF, RequestState.DONE
+            row.finished_at = utcnow()
+            s.commit()
+        self.notifier.notify(request_id)
+
+    def close(self) -> None:
+        self.engine.close()

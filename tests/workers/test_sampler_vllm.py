@@ -1,0 +1,203 @@
+"""The vLLM sampler engine against peft / HF, on the tiny model in fp32.
+
+Adapters are trained with the trainer engine (so their B matrices are not zero and they change
+the output), saved as PEFT snapshot folders, and sampled by one multi-LoRA vLLM engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import threading
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from workers.sampler.engine import SamplerConfig, SamplerEngine
+from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
+from workers.trainer.adapters import AdamParams, LoraConfig
+from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers.trainer.engine import TrainerEngine
+from workers.trainer.errors import EngineError
+
+PROMPT = (5, 6, 7, 8, 9)
+GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def snapshots(tiny_model_path, tmp_path_factory):
+    """Two tenants' trained adapters (different data, ranks, parts) as PEFT snapshot folders."""
+    folder = tmp_path_factory.mktemp("snapshots")
+    trainer = TrainerEngine(tiny_model_path, max_rank=16)
+    configs = {"alice": LoraConfig(rank=8, seed=1), "bob": LoraConfig(rank=4, seed=2, train_mlp=False)}
+    data = {"alice": list(range(10, 40)), "bob": list(range(100, 160, 2))}
+    for name, cfg in configs.items():
+        trainer.create_adapter(name, cfg)
+        tokens = data[name]
+        datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        for _ in range(6):
+            trainer.forward_backward([ForwardBackwardInput(name, [datum], "cross_entropy")])
+            trainer.optim_step([(name, AdamParams(learning_rate=2e-2))])
+    return {name: str(trainer.save_sampler_weights(name, folder / name)) for name in configs}
+
+
+def start_engine(model_path) -> SamplerEngine:
+    """Two adapter slots and two loaded adapters at most: a third snapshot evicts one (LRU)."""
+    config = SamplerConfig(model_path, max_model_len=512, max_lora_rank=16, max_loras=2, max_cpu_loras=2,
+                           kv_cache_gib=0.25)
+    engine = SamplerEngine(config).start()
+    engine.wait_ready(timeout=300)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    engine = start_engine(tiny_model_path)
+    yield engine
+    engine.close()
+
+
+def run(engine: SamplerEngine, jobs: list[SampleJob]) -> dict[str, SampleResult | EngineError]:
+    """Submit all jobs at once (so they share the engine's batches) and wait for every result."""
+    results: dict[str, SampleResult | EngineError] = {}
+    done = threading.Event()
+
+    def on_done(request_id, outcome):
+        results[request_id] = outcome
+        if len(results) == len(jobs):
+            done.set()
+
+    for job in jobs:
+        engine.submit(job, on_done)
+    assert done.wait(120), "the sampler did not finish"
+    return results
+
+
+def job(request_id: str, adapter: str | None, options=GREEDY, **kw) -> SampleJob:
+    return SampleJob(request_id, PROMPT, kw.pop("num_samples", 1), options, adapter, **kw)
+
+
+@pytest.fixture(scope="module")
+def peft_models(tiny_model_path, snapshots):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    return base, {name: PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), path).eval()
+        for name, path in snapshots.items()}
+
+
+def hf_greedy(model, n: int) -> list[int]:
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_greedy_tokens_equal_peft_and_a_mixed_batch_equals_each_request_alone(engine, snapshots, peft_models):
+    base, adapters = peft_models
+    expected = {"base": hf_greedy(base, 12)} | {name: hf_greedy(m, 12) for name, m in adapters.items()}
+    assert len({tuple(v) for v in expected.values()}) == 3, "the adapters must change the greedy output"
+    targets = {"base": None} | snapshots
+    alone = {name: run(engine, [job(f"alone-{name}", path)])[f"alone-{name}"] for name, path in targets.items()}
+    # base and both tenants in one engine at once, interleaved, several times over
+    mixed = run(engine, [job(f"mixed-{i}-{name}", path) for i in range(3) for name, path in targets.items()])
+    for name in targets:
+        assert alone[name].sequences[0].tokens == expected[name], name
+        for i in range(3):
+            assert mixed[f"mixed-{i}-{name}"].sequences[0].tokens == expected[name], (name, i)
+            assert mixed[f"mixed-{i}-{name}"].sequences[0].logprobs == pytest.approx(
+                alone[name].sequences[0].logprobs, abs=1e-5)
+
+
+def test_prompt_logprobs_of_mixed_batches_equal_peft(engine, snapshots, peft_models):
+    """Prompt logprobs go through the adapter's lm_head LoRA too (every adapter here trains unembed)."""
+    base, adapters = peft_models
+    results = run(engine, [job(f"lp-{name}", path, SamplingOptions(max_tokens=1), prompt_logprobs=True)
+                           for name, path in ({"base": None} | snapshots).items()])
+    for name, model in ({"base": base} | adapters).items():
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0], -1)
+        expected = [logprobs[i, t].item() for i, t in enumerate(PROMPT[1:])]
+        got = results[f"lp-{name}"].prompt_logprobs
+        assert got[0] is None
+        assert got[1:] == pytest.approx(expected, abs=1e-4), name
+
+
+def stock_ops_tokens(model_path, jobs: list[SampleJob]) -> dict[str, list[int]]:
+    """Greedy tokens from an engine with vLLM's own CPU LoRA ops (run in a child process: vLLM
+    allows one engine per process at a time)."""
+    os.environ["LORAPLEX_VLLM_LORA_OPS"] = "vllm"
+    engine = start_engine(model_path)
+    try:
+        return {request_id: r.sequences[0].tokens for request_id, r in run(engine, jobs).items()}
+    finally:
+        engine.close()
+
+
+def test_segmented_lora_ops_give_the_tokens_of_vllms_own_ops(tiny_model_path, snapshots, engine):
+    """Same adapters, LoRA-only batch (vLLM's own CPU ops leak adapters into base rows, so no base here)."""
+    jobs = [job(f"{name}-{i}", path) for i in range(2) for name, path in snapshots.items()]
+    ours = run(engine, jobs)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        stock = pool.submit(stock_ops_tokens, tiny_model_path, jobs).result(timeout=600)
+    for j in jobs:
+        assert ours[j.request_id].sequences[0].tokens == stock[j.request_id]
+
+
+def test_sampling_options(engine, snapshots):
+    alice = snapshots["alice"]
+    hot = SamplingOptions(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    results = run(engine, [
+        job("seeded-1", alice, hot), job("seeded-2", alice, hot),
+        job("group", alice, SamplingOptions(max_tokens=10, temperature=1.0, seed=3), num_samples=4),
+        job("greedy-n", alice, GREEDY, num_samples=3),
+        job("topk", alice, SamplingOptions(max_tokens=4, temperature=1.0, seed=1), topk_sample_logprobs=3),
+    ])
+    assert results["seeded-1"].sequences[0].tokens == results["seeded-2"].sequences[0].tokens
+    group = results["group"].sequences
+    assert len(group) == 4 and len({tuple(s.tokens) for s in group}) > 1
+    greedy = results["greedy-n"].sequences
+    assert len(greedy) == 3 and all(s.tokens == greedy[0].tokens for s in greedy)
+    seq = results["topk"].sequences[0]
+    for token, logprob, top in zip(seq.tokens, seq.logprobs, seq.topk_logprobs):
+        assert len(top) == 3 and [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert logprob <= top[0][1] + 1e-6
+        assert token not in dict(top) or dict(top)[token] == pytest.approx(logprob)
+
+
+def test_stops(engine, snapshots):
+    alice = snapshots["alice"]
+    free = run(engine, [job("free", alice)])["free"].sequences[0]
+    stop_token = free.tokens[3]
+    first = free.tokens.index(stop_token)
+    results = run(engine, [
+        job("stop-id", alice, SamplingOptions(max_tokens=12, temperature=0.0, stop_token_ids=(stop_token,))),
+        job("length", alice, SamplingOptions(max_tokens=2, temperature=0.0)),
+    ])
+    stopped = results["stop-id"].sequences[0]
+    assert stopped.tokens == free.tokens[: first + 1] and stopped.stop_reason == "stop"  # the stop token included
+    assert results["length"].sequences[0].stop_reason == "length"
+    assert len(results["length"].sequences[0].tokens) == 2
+
+
+def test_a_missing_snapshot_fails_alone(engine, snapshots, tmp_path):
+    results = run(engine, [job("gone", str(tmp_path / "nothing")), job("fine", snapshots["bob"])])
+    assert isinstance(results["gone"], EngineError) and results["gone"].category == "user"
+    assert "sampling_session_id" in str(results["gone"])
+    assert isinstance(results["fine"], SampleResult)
+
+
+def test_more_snapshots_than_slots_are_evicted_and_reloaded(engine, snapshots, tmp_path):
+    """Copies of the snapshots are new versions (new paths): four versions through two slots."""
+    versions = {}
+    for name, path in snapshots.items():
+        copy = tmp_path / f"{name}-copy"
+        shutil.copytree(path, copy)
+        versions[name], versions[f"{name}-copy"] = path, str(copy)
+    expected = {name: run(engine, [job(f"ref-{name}", path)])[f"ref-{name}"].sequences[0].tokens
+                for name, path in snapshots.items()}
+    for round_ in range(2):  # all at once (two per batch at most), then again after the evictions
+        results = run(engine, [job(f"{round_}-{name}", path) for name, path in versions.items()])
+        for name in versions:
+            assert results[f"{round_}-{name}"].sequences[0].tokens == expected[name.removesuffix("-copy")]

@@ -1,0 +1,1 @@
+"""The sampler worker: a multi-LoRA vLLM engine serving immutable adapter snapshots."""

