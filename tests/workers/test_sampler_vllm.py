@@ -201,3 +201,19 @@ def test_more_snapshots_than_slots_are_evicted_and_reloaded(engine, snapshots, t
         results = run(engine, [job(f"{round_}-{name}", path) for name, path in versions.items()])
         for name in versions:
             assert results[f"{round_}-{name}"].sequences[0].tokens == expected[name.removesuffix("-copy")]
+
+
+def test_seeded_groups_with_long_prompts(engine, snapshots):
+    """A GRPO step: 4 prompts x n=8, seeded, prompts longer than one step's token budget would
+    hold together (vLLM on CPU failed whole steps here when it split seeded prompts over steps)."""
+    g = torch.Generator().manual_seed(1)
+    long_prompts = [tuple(torch.randint(10, 500, (384,), generator=g).tolist()) for _ in range(4)]
+    options = SamplingOptions(max_tokens=6, temperature=1.0, seed=9)
+
+    def group(tag):
+        return [SampleJob(f"{tag}-{i}", p, 8, options, snapshots["alice"]) for i, p in enumerate(long_prompts)]
+
+    first, second = run(engine, group("a")), run(engine, group("b"))
+    for i in range(4):
+        assert [s.tokens for s in first[f"a-{i}"].sequences] == [s.tokens for s in second[f"b-{i}"].sequences]
+        assert len(first[f"a-{i}"].sequences) == 8

@@ -143,6 +143,10 @@ class SamplerEngine:
             # prefix caching for GRPO groups (n samples of one prompt) and multi-turn prompts; block
             # 32 because with the CPU default of 128 prompts under 128 tokens never hit the cache
             enable_prefix_caching=c.prefix_caching, block_size=32,
+            # no chunked prefill: on CPU, a seeded request whose prompt is split over two steps
+            # fails the whole step ("CPU Generator does not use offset" when vLLM rewinds its
+            # generator); a whole prompt per step avoids the rewind
+            enable_chunked_prefill=False, max_num_batched_tokens=max(c.max_model_len, 2048),
             distributed_executor_backend="uni", disable_log_stats=True,
         )
         return LLMEngine.from_engine_args(args)

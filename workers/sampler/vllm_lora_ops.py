@@ -3,9 +3,10 @@
 vLLM calls a "punica wrapper" for every LoRA layer. The stock CPU one gathers a full
 [out, rank] weight matrix per token (slow), and maps a token without adapter (slot -1) to the
 last slot, so a base-model request batched with LoRA requests silently gets a tenant's adapter.
-This wrapper groups the batch's rows by adapter slot once per step and runs one shrink and one
-expand matmul per adapter group (`workers.sgmv.segment_ops`, shared with the trainer); rows
-without an adapter are in no group and get exactly the base model's output.
+This wrapper groups the batch's rows by adapter slot once per step (`workers.sgmv.segment_ops`,
+shared with the trainer) and computes every adapter's shrink in one batched matmul and every
+expand in another, over a layer's merged slices at once (q/k/v, gate/up); rows without an adapter
+get exactly the base model's output.
 
 Weight layouts (vLLM): lora_a_stacked[i] [max_loras, 1, rank, in], lora_b_stacked[i]
 [max_loras, 1, out, rank], both zero-padded to max_lora_rank.
@@ -18,7 +19,9 @@ from typing import Any
 import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-from workers.sgmv.segment_ops import SlotRows, expand_, group_rows_by_slot, shrink, take
+from workers.sgmv.segment_ops import (
+    PaddedGroups, SlotRows, expand_, group_rows_by_slot, padded_groups, padded_lora_, shrink, take,
+)
 
 
 def _assign(out: torch.Tensor, rows, value: torch.Tensor) -> None:
@@ -32,13 +35,40 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._token_groups: list[SlotRows] = []
-        self._sampler_groups: list[SlotRows] = []
+        self._token_padded: PaddedGroups | None = None
+        self._sampler_padded: PaddedGroups | None = None
+        self._slot_ids: tuple = ()
+        # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
+        self._weights: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs) -> None:
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
         # once per step, reused by every layer
         self._token_groups = group_rows_by_slot(self.token_lora_indices)
-        self._sampler_groups = group_rows_by_slot(self.sampler_indices)
+        self._token_padded = padded_groups(self.token_lora_indices)
+        self._sampler_padded = padded_groups(self.sampler_indices)
+        self._slot_ids = tuple(lora_index_to_id)  # which adapter sits in each slot
+
+    def _grouped_weights(self, lora_a_stacked, lora_b_stacked, slots: tuple[int, ...]):
+        """[groups, in, sum(ranks)] and block-diagonal [groups, sum(ranks), sum(outs)] weights of a
+        layer's slices, for the adapters in `slots`. A slot's weights change only when another
+        adapter is put there, so they are cached until the slot assignment changes."""
+        key = (self._slot_ids, slots)
+        layer = lora_a_stacked[0].data_ptr()
+        cached = self._weights.get(layer)
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        index = torch.tensor(slots, device=lora_a_stacked[0].device)
+        a_t = torch.cat([a[index, 0] for a in lora_a_stacked], dim=1).transpose(1, 2).contiguous()
+        ranks = [a.shape[2] for a in lora_a_stacked]
+        outs = [b.shape[2] for b in lora_b_stacked]
+        b_t = a_t.new_zeros(len(slots), sum(ranks), sum(outs))
+        r0 = o0 = 0
+        for b, rank, width in zip(lora_b_stacked, ranks, outs):
+            b_t[:, r0: r0 + rank, o0: o0 + width] = b[index, 0].transpose(1, 2)
+            r0, o0 = r0 + rank, o0 + width
+        self._weights[layer] = (key, a_t, b_t)
+        return a_t, b_t
 
     # --- linear layers -----------------------------------------------------------------------
 
@@ -64,16 +94,13 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
 
     def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale: float, output_slices, *,
                         buffer=None, **kwargs: Any) -> None:
-        """Shrink and expand fused per adapter group: no [tokens, rank] buffer over the whole batch."""
-        x2 = x.view(-1, x.shape[-1])
+        if self._token_padded is None:
+            return
         y2 = y.view(-1, y.shape[-1])
-        for g in self._token_groups:
-            offset = 0
-            for a_stacked, b_stacked, width in zip(lora_a_stacked, lora_b_stacked, output_slices):
-                b = b_stacked[g.slot, 0]
-                v = shrink(x2, a_stacked[g.slot, 0], g.rows).to(b.dtype)
-                expand_(y2[:, offset: offset + width], v, b, g.rows, scale)
-                offset += width
+        if sum(output_slices) != y2.shape[1]:
+            raise RuntimeError(f"LoRA slices {output_slices} do not cover the layer's {y2.shape[1]} outputs")
+        a_t, b_t = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
+        padded_lora_(y2, x.view(-1, x.shape[-1]), self._token_padded, a_t, b_t, scale)
 
     # --- embeddings and logits ---------------------------------------------------------------
 
@@ -86,14 +113,15 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
             expand_(y2, take(x, g.rows).to(b.dtype), b, g.rows)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs: Any) -> None:
+        groups = self._logits_groups(x.view(-1, x.shape[-1]))
+        if groups is None:
+            return
+        a_t, b_t = self._grouped_weights((lora_a_stacked,), (lora_b_stacked,), groups.slots)
         y2 = y.view(-1, y.shape[-1])
-        x2 = x.view(-1, x.shape[-1])
-        for g in self._logits_groups(x2):
-            b = lora_b_stacked[g.slot, 0]
-            v = shrink(x2, lora_a_stacked[g.slot, 0], g.rows).to(b.dtype)
-            expand_(y2, v, b, g.rows, scale)
+        width = min(b_t.shape[2], y2.shape[1])  # the adapter and the model may pad the vocabulary differently
+        padded_lora_(y2[:, :width], x.view(-1, x.shape[-1]).to(a_t.dtype), groups, a_t, b_t[:, :, :width], scale)
 
-    def _logits_groups(self, x: torch.Tensor) -> list[SlotRows]:
+    def _logits_groups(self, x: torch.Tensor) -> PaddedGroups | None:
         """Which adapter each row of the logits input belongs to.
 
         Sampling passes the gathered hidden states of the sampled positions: a tensor of its own,
@@ -105,9 +133,9 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         """
         owns_storage = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
         if owns_storage and x.size(0) == self.sampler_indices.numel():
-            return self._sampler_groups
+            return self._sampler_padded
         start = x.storage_offset() // x.stride(0)
         slots = self.token_lora_indices[start: start + x.size(0)]
         if slots.numel() != x.size(0):
             raise RuntimeError(f"LoRA logits: {x.size(0)} rows at row {start} lie outside the step's tokens")
-        return group_rows_by_slot(slots)
+        return padded_groups(slots)

@@ -51,3 +51,50 @@ def group_rows_by_slot(slots: torch.Tensor) -> list[SlotRows]:
         start, end = int(rows[0]), int(rows[-1]) + 1
         groups.append(SlotRows(slot, slice(start, end) if end - start == rows.numel() else rows))
     return groups
+
+
+# --- the same math for interleaved rows, as two batched matmuls (the sampler's decode steps) ----
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """Rows grouped by adapter slot into a [groups, width] grid of row indices, so that all
+    adapters' shrinks are one bmm and all expands another (a loop over adapters costs ~15x more
+    in op overhead at decode sizes). Cells past a group's rows hold `n_rows`, the index of an
+    all-zero row appended to x; every row without an adapter maps to one such cell, so its delta
+    is exactly zero. Each group is one wider than its rows: there is always such a cell."""
+
+    slots: tuple[int, ...]  # the adapter slot of each group
+    cells: torch.Tensor  # [groups, width] row index into x plus a zero row
+    position: torch.Tensor  # [n_rows] each row's flat cell index
+
+
+def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
+    """Group rows by slot (>= 0); None when no row has an adapter."""
+    slots = slots.to("cpu", torch.int64)
+    n_rows = slots.numel()
+    active = [s for s in torch.unique(slots).tolist() if s >= 0]
+    if not active:
+        return None
+    members = [torch.nonzero(slots == s).flatten() for s in active]
+    width = max(m.numel() for m in members) + 1
+    cells = torch.full((len(active), width), n_rows, dtype=torch.int64)
+    position = torch.full((n_rows,), width - 1, dtype=torch.int64)  # no adapter: group 0's spare cell
+    for g, rows in enumerate(members):
+        cells[g, : rows.numel()] = rows
+        position[rows] = g * width + torch.arange(rows.numel())
+    return PaddedGroups(tuple(active), cells, position)
+
+
+def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: torch.Tensor,
+                 b_t: torch.Tensor, scale: float = 1.0) -> None:
+    """out += scale * x A_g^T B_g^T for each row's adapter g, in place.
+
+    a_t [groups, in, rank] and b_t [groups, rank, out] are the groups' weights, transposed for bmm.
+    """
+    x_cells = torch.cat([x, x.new_zeros(1, x.shape[1])])[groups.cells.to(x.device)]
+    v = torch.bmm(x_cells, a_t)
+    if scale != 1.0:
+        v.mul_(scale)
+    delta = torch.bmm(v, b_t)
+    out.add_(delta.view(-1, delta.shape[-1]).index_select(0, groups.position.to(x.device)))
