@@ -39,7 +39,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._sampler_padded: PaddedGroups | None = None
         self._slot_ids: tuple = ()
         # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
-        self._weights: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]] = {}
+        self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor]]] = {}
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs) -> None:
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
@@ -50,9 +50,9 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._slot_ids = tuple(lora_index_to_id)  # which adapter sits in each slot
 
     def _grouped_weights(self, lora_a_stacked, lora_b_stacked, slots: tuple[int, ...]):
-        """[groups, in, sum(ranks)] and block-diagonal [groups, sum(ranks), sum(outs)] weights of a
-        layer's slices, for the adapters in `slots`. A slot's weights change only when another
-        adapter is put there, so they are cached until the slot assignment changes."""
+        """The adapters in `slots`: every slice's A as one [groups, in, sum(ranks)] tensor and each
+        slice's B as [groups, rank, out], transposed for bmm. A slot's weights change only when
+        another adapter is put there, so they are cached until the slot assignment changes."""
         key = (self._slot_ids, slots)
         layer = lora_a_stacked[0].data_ptr()
         cached = self._weights.get(layer)
@@ -60,15 +60,9 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
             return cached[1], cached[2]
         index = torch.tensor(slots, device=lora_a_stacked[0].device)
         a_t = torch.cat([a[index, 0] for a in lora_a_stacked], dim=1).transpose(1, 2).contiguous()
-        ranks = [a.shape[2] for a in lora_a_stacked]
-        outs = [b.shape[2] for b in lora_b_stacked]
-        b_t = a_t.new_zeros(len(slots), sum(ranks), sum(outs))
-        r0 = o0 = 0
-        for b, rank, width in zip(lora_b_stacked, ranks, outs):
-            b_t[:, r0: r0 + rank, o0: o0 + width] = b[index, 0].transpose(1, 2)
-            r0, o0 = r0 + rank, o0 + width
-        self._weights[layer] = (key, a_t, b_t)
-        return a_t, b_t
+        b_ts = [b[index, 0].transpose(1, 2).contiguous() for b in lora_b_stacked]
+        self._weights[layer] = (key, a_t, b_ts)
+        return a_t, b_ts
 
     # --- linear layers -----------------------------------------------------------------------
 
@@ -99,8 +93,8 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         y2 = y.view(-1, y.shape[-1])
         if sum(output_slices) != y2.shape[1]:
             raise RuntimeError(f"LoRA slices {output_slices} do not cover the layer's {y2.shape[1]} outputs")
-        a_t, b_t = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
-        padded_lora_(y2, x.view(-1, x.shape[-1]), self._token_padded, a_t, b_t, scale)
+        a_t, b_ts = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
+        padded_lora_(y2, x.view(-1, x.shape[-1]), self._token_padded, a_t, b_ts, scale)
 
     # --- embeddings and logits ---------------------------------------------------------------
 
@@ -116,10 +110,10 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         groups = self._logits_groups(x.view(-1, x.shape[-1]))
         if groups is None:
             return
-        a_t, b_t = self._grouped_weights((lora_a_stacked,), (lora_b_stacked,), groups.slots)
+        a_t, (b_t,) = self._grouped_weights((lora_a_stacked,), (lora_b_stacked,), groups.slots)
         y2 = y.view(-1, y.shape[-1])
         width = min(b_t.shape[2], y2.shape[1])  # the adapter and the model may pad the vocabulary differently
-        padded_lora_(y2[:, :width], x.view(-1, x.shape[-1]).to(a_t.dtype), groups, a_t, b_t[:, :, :width], scale)
+        padded_lora_(y2[:, :width], x.view(-1, x.shape[-1]).to(a_t.dtype), groups, a_t, [b_t[:, :, :width]], scale)
 
     def _logits_groups(self, x: torch.Tensor) -> PaddedGroups | None:
         """Which adapter each row of the logits input belongs to.

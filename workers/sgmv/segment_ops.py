@@ -87,14 +87,21 @@ def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
 
 
 def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: torch.Tensor,
-                 b_t: torch.Tensor, scale: float = 1.0) -> None:
-    """out += scale * x A_g^T B_g^T for each row's adapter g, in place.
+                 b_ts: list[torch.Tensor], scale: float = 1.0) -> None:
+    """out += scale * x A_g^T B_g^T for each row's adapter g, in place, for one or more slices.
 
-    a_t [groups, in, rank] and b_t [groups, rank, out] are the groups' weights, transposed for bmm.
+    a_t [groups, in, sum(ranks)] holds every slice's A (a layer's merged q/k/v, say); b_ts[i]
+    [groups, rank_i, out_i] is slice i's B, written to the next out_i columns of `out`. All
+    transposed for bmm.
     """
     x_cells = torch.cat([x, x.new_zeros(1, x.shape[1])])[groups.cells.to(x.device)]
     v = torch.bmm(x_cells, a_t)
     if scale != 1.0:
         v.mul_(scale)
-    delta = torch.bmm(v, b_t)
-    out.add_(delta.view(-1, delta.shape[-1]).index_select(0, groups.position.to(x.device)))
+    position = groups.position.to(x.device)
+    r0 = o0 = 0
+    for b_t in b_ts:
+        rank, width = b_t.shape[1:]
+        delta = torch.bmm(v[:, :, r0: r0 + rank], b_t)
+        out[:, o0: o0 + width].add_(delta.view(-1, width).index_select(0, position))
+        r0, o0 = r0 + rank, o0 + width
