@@ -8,7 +8,6 @@ import concurrent.futures
 import httpx
 import numpy as np
 import pytest
-import tinker
 from tinker import types
 from transformers import AutoTokenizer
 
@@ -27,16 +26,6 @@ def server(tmp_path_factory):
     running = ServerThread(settings)
     yield running
     running.stop()
-
-
-@pytest.fixture(scope="module")
-def api_key(server):
-    return server.new_tenant()
-
-
-@pytest.fixture(scope="module")
-def service_client(server, api_key):
-    return tinker.ServiceClient(base_url=server.base_url, api_key=api_key)
 
 
 def sft_datum(tokens: list[int]) -> types.Datum:

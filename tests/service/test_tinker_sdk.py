@@ -25,16 +25,6 @@ def datum(loss_fn: str, n: int, rng: np.random.Generator) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()), loss_fn_inputs=inputs)
 
 
-@pytest.fixture(scope="module")
-def api_key(server):
-    return server.new_tenant()
-
-
-@pytest.fixture(scope="module")
-def service_client(server, api_key):
-    return tinker.ServiceClient(base_url=server.base_url, api_key=api_key)
-
-
 def test_training_flow_of_the_official_sdk(server, service_client, api_key):
     rng = np.random.default_rng(0)
     tc = service_client.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
