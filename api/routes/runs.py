@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import shutil
+import tarfile
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import sqlalchemy as sa
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel
 
 from api.deps import DB, CurrentTenant
 from api.paths import TinkerPath, checkpoint_root
 from api.lookups import owned_model
-from db.models import Checkpoint, Request, TrainingModel, utcnow
+from db.models import Checkpoint, TrainingModel, utcnow
+from db.models import Request as RequestRow
+from workers.trainer.checkpoints import CheckpointError, export_peft_from_state
 
 router = APIRouter()
 CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler"}
@@ -37,7 +44,7 @@ def run_json(db: DB, run: TrainingModel) -> dict:
                         .order_by(Checkpoint.created_at.desc()).limit(1))
         return checkpoint_json(row) if row else None
 
-    last = db.scalar(sa.select(sa.func.max(Request.created_at)).where(Request.model_id == run.id))
+    last = db.scalar(sa.select(sa.func.max(RequestRow.created_at)).where(RequestRow.model_id == run.id))
     return {
         "training_run_id": run.id, "base_model": run.base_model, "model_owner": run.tenant_id, "is_lora": True,
         "corrupted": False, "lora_rank": run.lora_config["rank"], "last_request_time": iso(last or run.created_at),
@@ -122,6 +129,27 @@ def set_ttl(run_id: str, checkpoint_id: str, body: Ttl, tenant: CurrentTenant, d
     row.expires_at = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
     db.commit()
     return {}
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive")
+def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTenant, db: DB) -> FileResponse:
+    """The checkpoint's adapter as a PEFT folder named `adapter`, in a .tar.gz (training states
+    are exported to PEFT; the Adam moments stay on the server)."""
+    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    work = Path(tempfile.mkdtemp(prefix="loraplex-archive-"))
+    adapter = work / "adapter"
+    try:
+        if row.kind == "sampler":
+            shutil.copytree(row.storage_path, adapter)
+        else:
+            export_peft_from_state(row.storage_path, adapter, request.app.state.model_info.path)
+    except (FileNotFoundError, CheckpointError) as e:
+        shutil.rmtree(work, ignore_errors=True)
+        raise HTTPException(404, f"checkpoint_id: the files of {row.tinker_path!r} are not readable: {e}") from None
+    with tarfile.open(work / "adapter.tar.gz", "w:gz") as tar:
+        tar.add(adapter, arcname="adapter")
+    return FileResponse(work / "adapter.tar.gz", media_type="application/gzip", filename=f"{row.name}.tar.gz",
+                        background=BackgroundTask(shutil.rmtree, work, ignore_errors=True))
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")

@@ -6,7 +6,6 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
-import tinker
 
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
@@ -48,14 +47,3 @@ def server(request, tmp_path_factory):
     running.stop()
     if pg_name:
         drop_postgres_database(pg_name)
-
-
-@pytest.fixture(scope="module")
-def api_key(server):
-    """A new tenant's key on this module's `server`."""
-    return server.new_tenant()
-
-
-@pytest.fixture(scope="module")
-def service_client(server, api_key):
-    return tinker.ServiceClient(base_url=server.base_url, api_key=api_key)

@@ -97,6 +97,28 @@ def save_peft_adapter(
     return Path(path)
 
 
+def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
+    """Write a training-state checkpoint's weights as a PEFT folder (what save_peft_adapter writes)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    manifest, tensors = _read_verified(Path(state))
+    config = LoraConfig(**manifest["lora_config"])
+    peft_config = PeftLoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=list(config.target_modules()),
+        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model_path), inference_mode=True,
+    )
+    weights = {}
+    for name, tensor in tensors.items():
+        if name.startswith("weight/"):  # weight/<module path>.lora_A -> base_model.model.<module path>.lora_A.weight
+            weights[f"base_model.model.{name.removeprefix('weight/')}.weight"] = tensor
+    with atomic_folder(dest) as tmp:
+        peft_config.save_pretrained(tmp)
+        save_file(weights, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+        (tmp / SNAPSHOT_METADATA).write_text(json.dumps({"policy_version": manifest["step"],
+                                                          "adapter_id": manifest["adapter_id"]}))
+    return Path(dest)
+
+
 def read_snapshot_metadata(path: str | Path) -> dict | None:
     """The `loraplex.json` of a sampler snapshot folder, or None if the folder or file is missing."""
     try:

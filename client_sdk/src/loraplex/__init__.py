@@ -1,8 +1,42 @@
-"""Loraplex client SDK.
+"""Loraplex client SDK: train and sample LoRA adapters on a Loraplex server from a notebook.
 
-Today this package holds only :mod:`loraplex.wire`, the Tinker-compatible wire format
-(protobuf schema, generated bindings and numpy codecs) shared by the Loraplex server and,
-later, the notebook SDK. It depends on protobuf, zstandard and numpy only (no torch).
+The names are Tinker's, so a notebook ports by changing one import::
+
+    import loraplex
+    from loraplex import types
+
+    service = loraplex.ServiceClient()          # LORAPLEX_BASE_URL / LORAPLEX_API_KEY, or arguments
+    training = service.create_lora_training_client("tiny", rank=8)
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+    sampler = training.save_weights_and_get_sampling_client()
+    sampler.sample(prompt, num_samples=4, sampling_params=types.SamplingParams(max_tokens=32)).result()
+
+Every call returns an APIFuture (`.result()` or `await`); every method has an `_async` twin.
+:mod:`loraplex.wire` holds the wire format, shared with the server.
 """
 
 __version__ = "0.1.0"
+
+from loraplex import types  # noqa: E402
+from loraplex.errors import (  # noqa: E402
+    APIConnectionError, APIStatusError, AuthenticationError, BadRequestError, InternalServerError, LoraplexError,
+    NotFoundError, PermissionDeniedError, RateLimitError, RequestFailedError,
+)
+from loraplex.futures import APIFuture  # noqa: E402
+from loraplex.rest_client import RestClient  # noqa: E402
+from loraplex.rl import check_sequence_extension, prefix_overlap  # noqa: E402
+from loraplex.sampling_client import SamplingClient  # noqa: E402
+from loraplex.service_client import ServiceClient  # noqa: E402
+from loraplex.training_client import SaveWeightsResponse, TrainingClient  # noqa: E402
+from loraplex.types import (  # noqa: E402
+    AdamParams, Datum, ModelInput, SampledSequence, SampleResponse, SamplingParams, TensorData,
+)
+
+__all__ = [
+    "APIConnectionError", "APIFuture", "APIStatusError", "AdamParams", "AuthenticationError", "BadRequestError",
+    "Datum", "InternalServerError", "LoraplexError", "ModelInput", "NotFoundError", "PermissionDeniedError",
+    "RateLimitError", "RequestFailedError", "RestClient", "SampleResponse", "SampledSequence", "SamplingClient",
+    "SamplingParams", "SaveWeightsResponse", "ServiceClient", "TensorData", "TrainingClient",
+    "check_sequence_extension", "prefix_overlap", "types",
+]

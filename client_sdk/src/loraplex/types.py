@@ -1,0 +1,207 @@
+"""The SDK's data types, named as in the Tinker SDK so a notebook ports by changing one import.
+
+Arrays are numpy; torch tensors and plain lists are accepted wherever an array is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+StopReason = Literal["stop", "length"]
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+
+
+def as_array(value: Any) -> np.ndarray:
+    """numpy from a numpy array, a torch tensor (any device), a TensorData or a list."""
+    if isinstance(value, TensorData):
+        return value.to_numpy()
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+@dataclass(frozen=True)
+class EncodedTextChunk:
+    tokens: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    chunks: tuple[EncodedTextChunk, ...] = ()
+
+    @classmethod
+    def from_ints(cls, tokens) -> "ModelInput":
+        return cls((EncodedTextChunk(tuple(int(t) for t in as_array(tokens).reshape(-1))),))
+
+    @classmethod
+    def empty(cls) -> "ModelInput":
+        return cls(())
+
+    def to_ints(self) -> list[int]:
+        return [t for chunk in self.chunks for t in chunk.tokens]
+
+    def append_int(self, token: int) -> "ModelInput":
+        return ModelInput.from_ints(self.to_ints() + [int(token)])
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def to_json(self) -> dict:
+        return {"chunks": [{"type": "encoded_text", "tokens": list(c.tokens)} for c in self.chunks]}
+
+    def __repr__(self) -> str:
+        tokens = self.to_ints()
+        shown = tokens if len(tokens) <= 8 else tokens[:4] + ["..."] + tokens[-2:]
+        return f"ModelInput({self.length} tokens: {shown})"
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """A flat array with its dtype and shape (Tinker's TensorData)."""
+
+    data: list
+    dtype: Literal["int64", "float32"]
+    shape: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> "TensorData":
+        dtype = "float32" if array.dtype.kind == "f" else "int64"
+        return cls(array.reshape(-1).tolist(), dtype, tuple(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor) -> "TensorData":
+        return cls.from_numpy(as_array(tensor))
+
+    def to_numpy(self) -> np.ndarray:
+        array = np.asarray(self.data, dtype=np.float32 if self.dtype == "float32" else np.int64)
+        return array.reshape(self.shape) if self.shape is not None else array
+
+    def to_torch(self):
+        import torch
+
+        return torch.from_numpy(self.to_numpy())
+
+    def tolist(self) -> list:
+        return self.to_numpy().tolist()
+
+    def __repr__(self) -> str:
+        return f"TensorData({self.dtype}, shape={list(self.shape or [len(self.data)])})"
+
+
+@dataclass(frozen=True)
+class Datum:
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, Any]  # name -> array-like (numpy, torch, list or TensorData)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: as_array(value) for name, value in self.loss_fn_inputs.items()}
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"type": "adam", **self.__dict__}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    loss_fn_outputs: list[dict[str, np.ndarray]]  # per datum, e.g. {"logprobs": array}
+    metrics: dict[str, float]
+    loss_fn_output_type: str = "ArrayRecord"
+
+    def __repr__(self) -> str:
+        return f"ForwardBackwardOutput({len(self.loss_fn_outputs)} datums, metrics={self.metrics})"
+
+
+@dataclass(frozen=True)
+class OptimStepResponse:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    sequence_id: str
+    topk_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def policy_version(self) -> int | None:
+        """Optimizer steps of the adapter snapshot that sampled this (None: the base model)."""
+        tag = self.sequence_id.rpartition("@")[2]
+        return int(tag[1:]) if tag.startswith("v") and tag[1:].isdigit() else None
+
+    def __repr__(self) -> str:
+        return (f"SampledSequence({len(self.tokens)} tokens, stop_reason={self.stop_reason!r}, "
+                f"policy_version={self.policy_version})")
+
+
+@dataclass(frozen=True)
+class SampleResponse:
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_cache_hit_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    checkpoint_id: str
+    checkpoint_type: str
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    time: str | None = None
+    expires_at: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Checkpoint":
+        return cls(d["checkpoint_id"], d["checkpoint_type"], d["tinker_path"], d.get("size_bytes"),
+                   d.get("public", False), d.get("time"), d.get("expires_at"))
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    training_run_id: str
+    base_model: str
+    lora_rank: int | None
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict | None = None
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TrainingRun":
+        last = d.get("last_checkpoint")
+        last_sampler = d.get("last_sampler_checkpoint")
+        return cls(d["training_run_id"], d["base_model"], d.get("lora_rank"),
+                   Checkpoint.from_json(last) if last else None,
+                   Checkpoint.from_json(last_sampler) if last_sampler else None, d.get("user_metadata"))
