@@ -105,6 +105,24 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None]
 
 
+class Quota(Base):
+    """A tenant's limits; NULL is no limit. Enforced at the API (api/quotas.py)."""
+
+    __tablename__ = "quotas"
+
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), primary_key=True)
+    max_live_models: Mapped[int | None]
+    max_lora_rank: Mapped[int | None]
+    train_tokens_per_day: Mapped[int | None] = mapped_column(sa.BigInteger)
+    sample_tokens_per_day: Mapped[int | None] = mapped_column(sa.BigInteger)
+    max_concurrent_requests: Mapped[int | None]
+    max_checkpoint_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+
+
+QUOTA_FIELDS = ("max_live_models", "max_lora_rank", "train_tokens_per_day", "sample_tokens_per_day",
+                "max_concurrent_requests", "max_checkpoint_bytes")
+
+
 class ClientSession(Base):
     """A client SDK session: groups the models and samplers one `ServiceClient` created."""
 
@@ -179,7 +197,8 @@ class Request(Base):
     result: Mapped[bytes | None] = mapped_column(sa.LargeBinary)
     result_content_type: Mapped[str | None]
     error: Mapped[dict[str, Any] | None] = _json(nullable=True)  # {"error": str, "category": "user"|"server"}
-    num_tokens: Mapped[int] = mapped_column(default=0)
+    num_tokens: Mapped[int] = mapped_column(default=0)  # input tokens (the prompt, for samples)
+    output_tokens: Mapped[int] = mapped_column(default=0, server_default="0")  # tokens generated (samples), known when done
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

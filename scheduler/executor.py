@@ -147,6 +147,8 @@ class InProcessExecutor:
     def _other(self, job: Job) -> Outcome:
         body = json.loads(job.payload)
         model_id, kind = job.request.model_id, job.request.kind
+        if kind == "rejected":  # refused at the door: only its seq_id passes, nothing runs
+            return Outcome.failed(body["error"], body["category"])
         if kind == "create_model":
             self.engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))
             self._persist(model_id, job.request.seq_id)

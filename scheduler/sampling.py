@@ -67,6 +67,7 @@ class SamplingDispatcher:
                     topk_k=outcome.topk, prompt_cache_hit_tokens=outcome.prompt_cache_hit_tokens,
                 )
                 row.result_content_type, row.state = PROTOBUF, RequestState.DONE
+                row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage
             row.finished_at = utcnow()
             s.commit()
         self.notifier.notify(request_id)

@@ -148,7 +148,7 @@ def serve(settings: Settings) -> None:
     if key:
         print(f"API key of tenant 'default' (shown once): {key}")
     else:
-        print("tenant 'default' exists; issue another key with: python -m service issue-key default")
+        print("tenant 'default' exists; issue another key with: .venv/bin/loraplex-admin keys issue default")
     print(f"  import tinker; tinker.ServiceClient(base_url={base_url!r}, api_key=...)")
     try:
         uvicorn.run(server.app, host=settings.host, port=settings.port, log_level="warning")

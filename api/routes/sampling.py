@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field
 
+from api import quotas
 from api.deps import DB, CurrentTenant
 from api.lookups import owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
@@ -181,6 +182,7 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
     options = _options(body.sampling_params, len(prompt), info.max_context, info.vocab_size)
     sid, adapter_path = _target(body, request, tenant.id, db)
     version = policy_version(adapter_path)
+    quotas.check_sampling_tokens(db, tenant.id, len(prompt) + options.max_tokens * body.num_samples)
     try:
         dispatcher.check_capacity()
     except SamplerBusy as e:

@@ -15,12 +15,13 @@ from fastapi import APIRouter, HTTPException, Request
 from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
 
+from api import quotas
 from api.deps import DB, CurrentTenant
 from api.paths import (
     TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
 )
 from api.lookups import owned_model, owned_session, resolve_checkpoint, served_model
-from api.submit import submit
+from api.submit import seq_id_used_even_if_refused, submit
 from db.models import Checkpoint, Sampler, TrainingModel
 from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
 from workers.trainer.adapters import AdamParams, LoraConfig
@@ -99,6 +100,7 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
     cfg = lora_config(body.lora_config, request.app.state.settings.max_lora_rank)
     mid = make_model_id(body.session_id, body.model_seq_id)
     if db.get(TrainingModel, mid) is None:
+        quotas.check_new_model(db, tenant.id, cfg.rank)
         db.add(TrainingModel(
             id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=body.base_model,
             lora_config=cfg.to_dict(), user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
@@ -142,14 +144,17 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
         wire.model_id, [Datum(d.tokens, dict(d.loss_fn_inputs)) for d in wire.data], wire.loss_fn,
         dict(wire.loss_fn_config), wire.forward_only,
     )
-    try:
-        prepare_request(0, engine_request, info.vocab_size, info.max_context)
-    except InvalidInputError as e:
-        raise HTTPException(400, str(e)) from None
+    num_tokens = sum(len(d.tokens) for d in wire.data)
+    with seq_id_used_even_if_refused(request, db, tenant_id, wire.model_id, wire.seq_id):
+        try:
+            prepare_request(0, engine_request, info.vocab_size, info.max_context)
+        except InvalidInputError as e:
+            raise HTTPException(400, str(e)) from None
+        quotas.check_training_tokens(db, tenant_id, num_tokens)
     return submit(
         request, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
         kind="forward" if wire.forward_only else "forward_backward", payload=proto,
-        content_type=PROTOBUF, num_tokens=sum(len(d.tokens) for d in wire.data),
+        content_type=PROTOBUF, num_tokens=num_tokens,
     )
 
 
@@ -157,15 +162,16 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
 def optim_step(body: OptimStep, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     owned_model(db, tenant.id, body.model_id)
     raw = body.adam_params or body.optimizer_params or body.optim_params or {}
-    if raw.get("type", "adamw") not in ("adam", "adamw"):
-        raise HTTPException(400, f"adam_params.type: optimizer {raw['type']!r} is not supported; use AdamW")
-    try:
-        adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
-        adam.validate()
-    except TypeError as e:
-        raise HTTPException(400, f"adam_params: {e}") from None
-    except InvalidInputError as e:
-        raise HTTPException(400, str(e)) from None
+    with seq_id_used_even_if_refused(request, db, tenant.id, body.model_id, body.seq_id):
+        if raw.get("type", "adamw") not in ("adam", "adamw"):
+            raise HTTPException(400, f"adam_params.type: optimizer {raw['type']!r} is not supported; use AdamW")
+        try:
+            adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
+            adam.validate()
+        except TypeError as e:
+            raise HTTPException(400, f"adam_params: {e}") from None
+        except InvalidInputError as e:
+            raise HTTPException(400, str(e)) from None
     payload = json.dumps({"adam_params": adam.__dict__}).encode()
     return submit(request, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
                   kind="optim_step", payload=payload)
@@ -173,6 +179,13 @@ def optim_step(body: OptimStep, request: Request, tenant: CurrentTenant, db: DB)
 
 def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str, dir_kind: str) -> dict:
     model = owned_model(db, tenant_id, body.model_id)
+    with seq_id_used_even_if_refused(request, db, tenant_id, model.id, body.seq_id):
+        return _accept_save(request, db, tenant_id, body, kind, dir_kind, model)
+
+
+def _accept_save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str, dir_kind: str,
+                 model: TrainingModel) -> dict:
+    quotas.check_storage(db, tenant_id)
     payload: dict[str, Any] = {"kind": "training_state" if dir_kind == "weights" else "sampler",
                                "ttl_seconds": body.ttl_seconds}
     if body.path is None and dir_kind == "sampler_weights":
@@ -222,6 +235,7 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
         source = db.get(TrainingModel, checkpoint.model_id)
         mid, seq = make_model_id(body.session_id, body.model_seq_id), 0
         if db.get(TrainingModel, mid) is None:
+            quotas.check_new_model(db, tenant.id, manifest["lora_config"]["rank"])
             db.add(TrainingModel(
                 id=mid, tenant_id=tenant.id, session_id=body.session_id,
                 base_model=source.base_model if source else request.app.state.model_info.name,

@@ -71,6 +71,12 @@ def test_bad_request_is_a_clear_4xx(service_client):
                       loss_fn_inputs={"target_tokens": np.array([2, 3, 4]), "weights": np.ones(3, dtype=np.float32)})
     with pytest.raises(tinker.BadRequestError, match=r"data\[0\].model_input"):
         tc.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="learning_rate"):
+        tc.optim_step(types.AdamParams(learning_rate=-1.0)).result()
+    # the refused requests used their seq_ids: the model's next requests do not wait for them
+    good = datum("cross_entropy", 4, np.random.default_rng(1))
+    assert tc.forward_backward([good], "cross_entropy").result().metrics["loss:sum"] > 0
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.BadRequestError, match="base_model"):
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="rank"):

@@ -1,0 +1,1 @@
+"""The operators' command line, `loraplex-admin` (see admin/cli.py)."""
