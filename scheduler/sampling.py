@@ -30,6 +30,10 @@ class SamplerBusy(Exception):
     """Too many samples in flight: the API answers 429 and the client backs off and retries."""
 
 
+class SamplerUnavailable(Exception):
+    """The engine is down: the API answers 503."""
+
+
 class SamplingDispatcher:
     def __init__(self, sessions: sessionmaker[Session], engine: SamplerEngine, notifier: Notifier,
                  max_pending: int) -> None:
@@ -39,6 +43,8 @@ class SamplingDispatcher:
         self.max_pending = max_pending
 
     def check_capacity(self) -> None:
+        if self.engine.failed is not None:
+            raise SamplerUnavailable(f"the sampler engine failed to start: {self.engine.failed}")
         if self.engine.pending >= self.max_pending:
             raise SamplerBusy(f"the sampler has {self.engine.pending} requests in flight (limit {self.max_pending})")
 

@@ -22,7 +22,7 @@ from api.paths import sampler_id
 from api.submit import submit
 from db.models import Sampler, new_id
 from loraplex.wire.codec import WireError, model_input_tokens
-from scheduler.sampling import SAMPLE, SamplerBusy
+from scheduler.sampling import SAMPLE, SamplerBusy, SamplerUnavailable
 from workers.sampler.jobs import SampleJob, SamplingOptions
 from workers.trainer.checkpoints import read_snapshot_metadata
 
@@ -187,6 +187,8 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         dispatcher.check_capacity()
     except SamplerBusy as e:
         raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+    except SamplerUnavailable as e:
+        raise HTTPException(503, str(e)) from None
     job = SampleJob(
         request_id=new_id(), prompt=tuple(prompt), num_samples=body.num_samples, options=options,
         adapter_path=adapter_path, prompt_logprobs=body.prompt_logprobs,

@@ -104,6 +104,8 @@ def test_async_twins(client):
         sampler = await training.save_weights_and_get_sampling_client_async()
         sampled = await (await sampler.sample_async(types.ModelInput.from_ints(TOKENS[:4]), 2,
                                                     types.SamplingParams(max_tokens=3, seed=2)))
+        runs = await client.create_rest_client().list_training_runs_async()
+        assert training.model_id in {r.training_run_id for r in runs}
         return losses, sampled
 
     losses, sampled = asyncio.run(main())

@@ -229,7 +229,12 @@ class SamplerEngine:
             for output in outputs:
                 if output.finished and output.request_id in self._callbacks:
                     job, _ = self._callbacks[output.request_id]
-                    self._finish(output.request_id, to_result(job, output))
+                    try:
+                        outcome = to_result(job, output)
+                    except Exception as e:  # a bug here must not stop the engine thread
+                        log.exception("converting the output of %s failed", output.request_id)
+                        outcome = EngineError(f"sampling failed: {e}")
+                    self._finish(output.request_id, outcome)
 
     def _drain(self) -> None:
         while True:

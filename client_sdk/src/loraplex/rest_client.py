@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tarfile
 import tempfile
@@ -82,3 +83,16 @@ class RestClient:
                 raise FileExistsError(f"dest: {dest} exists")
             Path(tmp, "adapter").rename(dest)
         return dest
+
+
+def _async_twin(name: str):
+    async def twin(self, *args, **kwargs):
+        return await asyncio.to_thread(getattr(self, name), *args, **kwargs)
+    twin.__name__ = twin.__qualname__ = f"{name}_async"
+    twin.__doc__ = f"`{name}`, awaitable (runs in a worker thread)."
+    return twin
+
+
+for _name in ("list_training_runs", "get_training_run", "list_checkpoints", "delete_checkpoint", "publish_checkpoint",
+              "unpublish_checkpoint", "set_checkpoint_ttl", "get_sampler", "download_checkpoint"):
+    setattr(RestClient, f"{_name}_async", _async_twin(_name))
