@@ -156,6 +156,9 @@ class SchedulerService:
         self.buffer.finish(requests)
         for q in requests:
             self.notifier.notify(q.id)
+        if getattr(self.executor, "take_lost_worker", lambda: False)():
+            with self.sessions() as s:  # a worker died: rebuild the gradients it held elsewhere
+                self._replay_lost_gradients(s)
         return True
 
     def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at) -> None:

@@ -36,7 +36,7 @@ from workers.trainer.engine import TrainerEngine
 class EmbeddedServer:
     app: object
     scheduler: SchedulerService
-    executor: InProcessExecutor | ProcessExecutor
+    executor: object  # InProcessExecutor, ProcessExecutor or CeleryExecutor
     sessions: object
     sampling: SamplingDispatcher | None = None
 
@@ -76,7 +76,11 @@ def build(settings: Settings) -> EmbeddedServer:
     sessions = make_session_factory(make_engine(url))
     info = model_info(settings.base_model)
     live_dir = settings.data_dir / "live"
-    if settings.engine_process:
+    if settings.executor == "celery":  # trainer workers elsewhere; live_dir must be on a shared store
+        from scheduler.celery_executor import CeleryExecutor
+
+        executor = CeleryExecutor(settings.redis_url, info.name, live_dir)
+    elif settings.engine_process:
         executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir)
     else:
         executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), live_dir)

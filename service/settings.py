@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +26,11 @@ class Settings(BaseSettings):
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
     max_request_bytes: int = 64 * 1024 * 1024
+
+    # Distributed trainer workers: "local" runs cycles in this process (or its child, with
+    # engine_process); "celery" sends them to Celery trainer workers (workers/celery_worker.py).
+    executor: Literal["local", "celery"] = "local"
+    redis_url: str = "redis://127.0.0.1:6379/0"
 
     # The sampler: a multi-LoRA vLLM engine beside the trainer (needs the sampler-cpu/-gpu extra).
     sampler_enabled: bool = True
