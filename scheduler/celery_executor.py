@@ -1,15 +1,18 @@
 """An executor that runs cycles on Celery trainer workers (workers/celery_worker.py).
 
-The cycle and its payloads go to Redis under a fresh key; the Celery task carries only that key
-to the worker's own queue; the outcomes come back the same way. While waiting, the executor
-watches the worker's heartbeat: if it stops (the process died, e.g. SIGKILL), every request of
-the cycle fails with category "server" and none of them is retried behind the client's back.
-The gradients the dead worker held for finished forward_backward requests died with it: the
-scheduler then replays those requests on a live worker, which loads each adapter's durable state
-(written after every optim_step) first, so acknowledged work is neither lost nor applied twice.
+Placement: a model sticks to one worker (its gradients and Adam state live there); a model seen
+for the first time, or whose worker is gone, goes to the live worker with the fewest models.
+The placement is kept in Redis, so it survives a scheduler restart. A cycle is split per worker;
+the parts run at the same time, one Celery task each.
 
-Placement today: every model goes to the first live worker serving this base model, and stays
-there while it lives. Spreading models over several workers is the next step.
+Each part and its payloads go to Redis under a fresh key; the task carries only that key to the
+worker's own queue; the outcomes come back the same way. While waiting, the executor watches each
+worker's heartbeat: if one stops (the process died, e.g. SIGKILL), every request of its part
+fails with category "server" and none of them is retried behind the client's back. The gradients
+the dead worker held for finished forward_backward requests died with it: when one of its models
+is next used, `place` moves it to a live worker and reports it, and the scheduler replays those
+requests there first; the new worker loads the adapter's durable state (written after every
+optim_step) before, so acknowledged work is neither lost nor applied twice.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import json
 import pickle
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from scheduler.executor import Job, Outcome
 from scheduler.planner import Cycle
 from workers.celery_app import RESULT_TTL_SECONDS, TASK, make_app, worker_key
 from workers.trainer.checkpoints import read_manifest
+
+PLACEMENT = "loraplex:placement"  # Redis hash: model id -> worker id
 
 
 class WorkerLost(RuntimeError):
@@ -34,28 +40,53 @@ class CeleryExecutor:
     def __init__(self, redis_url: str, base_model: str, live_dir: Path, wait_for_worker_seconds: float = 120) -> None:
         import redis
 
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=False)
         self.app = make_app(redis_url)
         self.base_model = base_model
         self.live_dir = Path(live_dir)
         self.wait_for_worker_seconds = wait_for_worker_seconds
-        self._lost_worker = False
 
-    def live_workers(self) -> list[dict]:
+    engines_restart_with_scheduler = False  # workers keep their state when the scheduler restarts
+
+    # --- workers and placement -------------------------------------------------------------------
+
+    def live_workers(self) -> dict[str, dict]:
         records = [self.redis.get(key) for key in self.redis.scan_iter(worker_key("*"))]
         workers = [json.loads(r) for r in records if r]
-        return sorted((w for w in workers if w["base_model"] == self.base_model and w["queues"]),
-                      key=lambda w: w["worker_id"])
+        return {w["worker_id"]: w for w in workers if w["base_model"] == self.base_model and w["queues"]}
 
-    def _worker(self) -> dict:
+    def _wait_for_workers(self) -> dict[str, dict]:
         deadline = time.monotonic() + self.wait_for_worker_seconds
-        while True:
-            workers = self.live_workers()
-            if workers:
-                return workers[0]
+        while not (workers := self.live_workers()):
             if time.monotonic() > deadline:
                 raise WorkerLost(f"no live trainer worker serves {self.base_model!r}")
             time.sleep(0.2)
+        return workers
+
+    def placement(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.redis.hgetall(PLACEMENT).items()}
+
+    def place(self, model_ids: set[str]) -> set[str]:
+        """Give every model a live worker; the models that had one which died (their gradients
+        since the last optim_step must be replayed)."""
+        try:
+            workers = self._wait_for_workers()
+        except WorkerLost:
+            return set()  # run_cycle fails the cycle clearly
+        placed = self.placement()
+        load = Counter(w for w in placed.values() if w in workers)
+        moved = set()
+        for model_id in sorted(model_ids):
+            if placed.get(model_id) not in workers:
+                if model_id in placed:
+                    moved.add(model_id)
+                chosen = min(workers, key=lambda w: (load[w], w))
+                placed[model_id] = chosen
+                load[chosen] += 1
+                self.redis.hset(PLACEMENT, model_id, chosen)
+        return moved
+
+    # --- the executor interface ------------------------------------------------------------------
 
     def durable_seq(self, model_id: str) -> int | None:
         manifest = read_manifest(self.live_dir / model_id)  # the shared store: no worker needed
@@ -63,25 +94,40 @@ class CeleryExecutor:
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         try:
-            return self._run(cycle, jobs)
+            workers = self._wait_for_workers()
         except WorkerLost as e:
-            self._lost_worker = True
-            return {q.id: Outcome.failed(f"trainer worker lost: {e}", "server") for q in cycle.all()}
+            return {q.id: Outcome.failed(str(e), "server") for q in cycle.all()}
+        placed = self.placement()  # the scheduler placed them (`place`) just before
+        gone = [q for q in cycle.all() if placed.get(q.model_id) not in workers]
+        outcomes = {q.id: Outcome.failed("trainer worker lost before the cycle", "server") for q in gone}
+        where = {q.model_id: placed[q.model_id] for q in cycle.all() if q not in gone}
+        parts = {
+            worker: Cycle(
+                forward_backward=[q for q in cycle.forward_backward if where.get(q.model_id) == worker],
+                optim_steps=[q for q in cycle.optim_steps if where.get(q.model_id) == worker],
+                others=[q for q in cycle.others if where.get(q.model_id) == worker],
+            )
+            for worker in sorted(set(where.values()))
+        }
+        sent = {worker: self._send(workers[worker], part, jobs) for worker, part in parts.items()}
+        for worker, (key, result) in sent.items():
+            try:
+                outcomes.update(self._collect(worker, key, result))
+            except WorkerLost as e:  # its models move (and replay) when next used
+                outcomes.update({q.id: Outcome.failed(f"trainer worker lost: {e}", "server") for q in parts[worker].all()})
+        return outcomes
 
-    def take_lost_worker(self) -> bool:
-        """True once after a worker died: gradients it held must be replayed elsewhere."""
-        lost, self._lost_worker = self._lost_worker, False
-        return lost
-
-    def _run(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
-        worker = self._worker()
+    def _send(self, worker: dict, part: Cycle, jobs: dict[str, Job]):
         key = f"loraplex:cycle:{uuid.uuid4().hex}"
-        self.redis.set(key, pickle.dumps((cycle, jobs)), ex=RESULT_TTL_SECONDS)
+        part_jobs = {q.id: jobs[q.id] for q in part.all()}
+        self.redis.set(key, pickle.dumps((part, part_jobs)), ex=RESULT_TTL_SECONDS)
+        return key, self.app.send_task(TASK, args=[key], queue=worker["queues"][0])
+
+    def _collect(self, worker_id: str, key: str, result) -> dict[str, Outcome]:
         try:
-            result = self.app.send_task(TASK, args=[key], queue=worker["queues"][0])
             while not result.ready():
-                if self.redis.get(worker_key(worker["worker_id"])) is None:
-                    raise WorkerLost(f"{worker['worker_id']} stopped beating during the cycle")
+                if self.redis.get(worker_key(worker_id)) is None:
+                    raise WorkerLost(f"{worker_id} stopped beating during the cycle")
                 time.sleep(0.005)
             out_key = result.get(propagate=True)
             outcomes = pickle.loads(self.redis.get(out_key))

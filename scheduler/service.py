@@ -84,14 +84,21 @@ class SchedulerService:
             ).all()
             for row in rows:
                 self.inbox.put(queued(row))
-            self._replay_lost_gradients(s)
+            # Local engines restarted with this process and lost their gradients; Celery workers
+            # did not (a dead one's models are replayed when they move: see step).
+            if getattr(self.executor, "engines_restart_with_scheduler", True):
+                self._replay_lost_gradients(s)
         self.wakeup.set()
         return len(rows)
 
-    def _replay_lost_gradients(self, s: Session) -> None:
+    def _replay_lost_gradients(self, s: Session, only: set[str] | None = None) -> None:
         """Gradients of finished forward_backward requests after a model's last durable state lived
-        only in the old process: recompute them (same payloads, same weights -> same gradients)."""
-        for model in s.scalars(sa.select(TrainingModel).where(TrainingModel.deleted_at.is_(None))):
+        only in the old process (or a dead worker: `only` its models): recompute them (same
+        payloads, same weights -> same gradients)."""
+        live = sa.select(TrainingModel).where(TrainingModel.deleted_at.is_(None))
+        if only is not None:
+            live = live.where(TrainingModel.id.in_(only))
+        for model in s.scalars(live):
             durable = self.executor.durable_seq(model.id)
             if durable is None or durable >= model.last_applied_seq_id:
                 continue
@@ -143,6 +150,10 @@ class SchedulerService:
             selected = s.execute(sa.select(Request.id, Request.payload).where(Request.id.in_([q.id for q in requests])))
             payloads = {request_id: payload for request_id, payload in selected}
             jobs = {q.id: Job(q, payloads[q.id]) for q in requests}
+        moved = getattr(self.executor, "place", lambda model_ids: set())({q.model_id for q in requests})
+        if moved:  # their worker died: rebuild the gradients it held, on the new worker, first
+            with self.sessions() as s:
+                self._replay_lost_gradients(s, only=moved)
         # No "running" commit here: it would cost a database write per cycle on the latency path,
         # and recovery re-runs pending and running requests alike. started_at is stored with the outcome.
         started_at = utcnow()
@@ -156,9 +167,6 @@ class SchedulerService:
         self.buffer.finish(requests)
         for q in requests:
             self.notifier.notify(q.id)
-        if getattr(self.executor, "take_lost_worker", lambda: False)():
-            with self.sessions() as s:  # a worker died: rebuild the gradients it held elsewhere
-                self._replay_lost_gradients(s)
         return True
 
     def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at) -> None:

@@ -1,6 +1,6 @@
-"""Trainer cycles on a Celery worker process (Redis broker, Postgres database, shared data dir):
-the same numbers as the in-process engine, and a SIGKILLed worker's cycle fails clearly while
-acknowledged work survives on the next worker."""
+"""Trainer cycles on two Celery worker processes (Redis broker, Postgres database, shared data dir):
+models spread over both, the same numbers as the in-process engine, and a SIGKILLed worker's
+cycle fails clearly while acknowledged work survives on the other worker."""
 
 from __future__ import annotations
 
@@ -50,15 +50,15 @@ def cluster(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()
     data_dir = tmp_path_factory.mktemp("shared")
     pg_name = postgres_database()
-    worker = start_worker("w1", data_dir)
+    workers = {name: start_worker(name, data_dir) for name in ("w1", "w2")}
     settings = Settings(data_dir=data_dir, database_url=f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}",
                         port=free_port(), base_model="tiny", executor="celery", redis_url=REDIS_URL,
                         sampler_enabled=False, long_poll_seconds=5, max_lora_rank=16)
     server = ServerThread(settings)
-    state = {"server": server, "worker": worker, "data_dir": data_dir}
-    yield state
+    yield {"server": server, "workers": workers, "data_dir": data_dir}
     server.stop()
-    state["worker"].kill()
+    for worker in workers.values():
+        worker.kill()
     drop_postgres_database(pg_name)
 
 
@@ -67,9 +67,9 @@ def datum(tokens: list[int]) -> types.Datum:
                        loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": np.ones(len(tokens) - 1, np.float32)})
 
 
-def test_cycles_on_a_celery_worker_give_the_in_process_numbers(cluster, tiny_model_path):
+def test_cycles_on_celery_workers_give_the_in_process_numbers(cluster, tiny_model_path):
     server = cluster["server"]
-    tokens = {"a": list(range(10, 40)), "b": list(range(100, 120))}
+    tokens = {"a": list(range(10, 40)), "b": list(range(100, 120)), "c": list(range(200, 230)), "d": list(range(300, 310))}
     clients = {name: tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
                .create_lora_training_client(base_model="tiny", rank=4, seed=i + 1).result()
                for i, name in enumerate(tokens)}
@@ -79,6 +79,8 @@ def test_cycles_on_a_celery_worker_give_the_in_process_numbers(cluster, tiny_mod
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = {name: tc.forward([datum(tokens[name])], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
              for name, tc in clients.items()}
+    placement = server.embedded.executor.placement()
+    assert {placement[tc.model_id] for tc in clients.values()} == {"w1", "w2"}  # two models each
 
     local = TrainerEngine(tiny_model_path, max_rank=16)
     for i, name in enumerate(tokens):
@@ -102,17 +104,18 @@ def test_a_killed_worker_fails_its_cycle_and_training_continues_on_the_next(clus
 
     big = [datum(list(range(5, 500))) for _ in range(16)]
     doomed = tc.forward_backward(big, "cross_entropy")
-    time.sleep(0.5)  # the cycle is running on w1
-    cluster["worker"].send_signal(signal.SIGKILL)
-    cluster["worker"].wait()
-    cluster["worker"] = start_worker("w2", cluster["data_dir"])
+    time.sleep(0.5)  # the cycle is running on the model's worker
+    victim = server.embedded.executor.placement()[tc.model_id]
+    cluster["workers"][victim].send_signal(signal.SIGKILL)
+    cluster["workers"][victim].wait()
     with pytest.raises(Exception, match="worker lost"):
         doomed.result()
 
-    # w2 loaded the durable state and replayed the acknowledged gradient; the doomed one was not applied
+    # the other worker loaded the durable state and replayed the acknowledged gradient; the doomed one was not applied
     after = tc.forward([datum(short)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     assert after == pytest.approx(reference, rel=1e-6)
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert server.embedded.executor.placement()[tc.model_id] != victim
     moved = tc.forward([datum(short)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 
     # the same history without any crash: the step on w2 used exactly the acknowledged gradient
