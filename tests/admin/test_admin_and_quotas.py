@@ -3,6 +3,7 @@ the exact status, the limit named, and nothing changed by a refused request."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -18,17 +19,13 @@ from typer.testing import CliRunner
 
 from admin.cli import app
 from db.models import Request
-from service.embedded import ServerThread, free_port
-from service.settings import Settings
+from tests.servers import running_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    settings = Settings(data_dir=tmp_path_factory.mktemp("loraplex"), port=free_port(), base_model="tiny",
-                        long_poll_seconds=5, max_lora_rank=16, sampler_kv_cache_gib=0.25)
-    running = ServerThread(settings)
-    yield running
-    running.stop()
+    with running_server(tmp_path_factory.mktemp("loraplex")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +41,13 @@ def admin(server):
     return run
 
 
+def printed_key(output: str) -> str:
+    """The API key in a command's output (other threads of the test process may print too)."""
+    return re.findall(r"tml-[A-Za-z0-9_-]{43}", output)[-1]
+
+
 def new_tenant(admin, name: str) -> str:
-    return admin("tenants", "create", name).strip().splitlines()[-1]
+    return printed_key(admin("tenants", "create", name))
 
 
 def post(server, key: str, route: str, body) -> httpx.Response:
@@ -69,7 +71,7 @@ def test_tenants_and_keys(server, admin):
     assert key.startswith("tml-")
     assert "carol" in admin("tenants", "list")
     assert post(server, key, "create_session", {"tags": []}).status_code == 200
-    second = admin("keys", "issue", "carol").strip()
+    second = printed_key(admin("keys", "issue", "carol"))
     listing = admin("keys", "list", "carol")
     assert key[:12] in listing and second[:12] in listing
 

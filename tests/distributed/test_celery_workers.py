@@ -102,9 +102,14 @@ def test_a_killed_worker_fails_its_cycle_and_training_continues_on_the_next(clus
     tc.forward_backward([datum(short)], "cross_entropy").result()  # acknowledged gradient, in w1's memory
     reference = tc.forward([datum(short)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 
-    big = [datum(list(range(5, 500))) for _ in range(16)]
+    big = [datum(list(range(5, 500))) for _ in range(48)]  # seconds of work on the worker
     doomed = tc.forward_backward(big, "cross_entropy")
-    time.sleep(0.5)  # the cycle is running on the model's worker
+    client = redis.Redis.from_url(REDIS_URL)
+    deadline = time.monotonic() + 60
+    while not any(client.scan_iter("loraplex:cycle:*")):  # the cycle is on its way to the worker
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)  # and running there
     victim = server.embedded.executor.placement()[tc.model_id]
     cluster["workers"][victim].send_signal(signal.SIGKILL)
     cluster["workers"][victim].wait()

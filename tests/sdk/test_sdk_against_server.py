@@ -18,19 +18,16 @@ from transformers import AutoModelForCausalLM
 
 import loraplex
 from loraplex import types
-from service.embedded import ServerThread, free_port
-from service.settings import Settings
+from service.embedded import free_port
+from tests.servers import running_server
 
 TOKENS = list(range(10, 30))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    settings = Settings(data_dir=tmp_path_factory.mktemp("loraplex"), port=free_port(), base_model="tiny",
-                        long_poll_seconds=5, max_lora_rank=16, sampler_kv_cache_gib=0.25)
-    running = ServerThread(settings)
-    yield running
-    running.stop()
+    with running_server(tmp_path_factory.mktemp("loraplex")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from service.embedded import ServerThread, free_port
-from service.settings import Settings
+from tests.servers import running_server
 
 PROMPT = [5, 6, 7, 8, 9]
 MAX_PENDING = 4
@@ -20,12 +19,8 @@ MAX_PENDING = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    settings = Settings(data_dir=tmp_path_factory.mktemp("loraplex"), port=free_port(), base_model="tiny",
-                        long_poll_seconds=5, max_lora_rank=16, sampler_kv_cache_gib=0.25,
-                        sampler_max_pending=MAX_PENDING)
-    running = ServerThread(settings)
-    yield running
-    running.stop()
+    with running_server(tmp_path_factory.mktemp("loraplex"), sampler_max_pending=MAX_PENDING) as running:
+        yield running
 
 
 def sft_datum(tokens: list[int]) -> types.Datum:

@@ -1,0 +1,21 @@
+"""A real embedded server for a test module: the tiny model, a small vLLM sampler, short long-polls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from service.embedded import ServerThread, free_port
+from service.settings import Settings
+
+
+@contextmanager
+def running_server(data_dir: Path, **overrides) -> Iterator[ServerThread]:
+    settings = dict(data_dir=data_dir, port=free_port(), base_model="tiny", long_poll_seconds=5, max_lora_rank=16,
+                    sampler_kv_cache_gib=0.25)
+    server = ServerThread(Settings(**(settings | overrides)))
+    try:
+        yield server
+    finally:
+        server.stop()
