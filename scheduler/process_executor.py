@@ -3,6 +3,10 @@
 Same cycles, same outcomes as `InProcessExecutor`, but the engine has its own interpreter, so
 its Python work never competes for the GIL with the API serving other tenants' requests.
 Messages are small pickled dataclasses (payloads and results are already bytes).
+
+If the child dies (killed, out of memory), the cycle it was running fails with category "server",
+a new child starts, and the models it had held are reported by `place` when next used, so the
+scheduler replays their acknowledged gradients since their durable state (as after a restart).
 """
 
 from __future__ import annotations
@@ -37,25 +41,52 @@ def _serve(conn, model_path: str, max_rank: int, live_dir: str) -> None:
 
 class ProcessExecutor:
     def __init__(self, model_path: Path, max_rank: int, live_dir: Path, start_timeout: float = 300) -> None:
+        self._args = (str(model_path), max_rank, str(live_dir))
+        self._start_timeout = start_timeout
+        self._lock = threading.Lock()
+        self._held: set[str] = set()  # models the current child has run
+        self._lost: set[str] = set()  # models a dead child held
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")  # no fork: torch's thread pools do not survive it
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, str(model_path), max_rank, str(live_dir)),
-                                 name="loraplex-engine", daemon=True)
+        self._proc = ctx.Process(target=_serve, args=(child, *self._args), name="loraplex-engine", daemon=True)
         self._proc.start()
-        self._lock = threading.Lock()
-        if not self._conn.poll(start_timeout) or self._conn.recv()[0] != "ready":
+        child.close()  # so that recv() sees EOF when the child dies
+        if not self._conn.poll(self._start_timeout) or self._conn.recv()[0] != "ready":
             raise RuntimeError("the engine process did not start")
 
     def _call(self, method: str, *args):
         with self._lock:
-            self._conn.send((method, args))
-            status, value = self._conn.recv()  # EOFError if the engine process died
+            try:
+                self._conn.send((method, args))
+                status, value = self._conn.recv()
+            except (EOFError, OSError):  # the child died
+                self._proc.join(timeout=10)
+                code = self._proc.exitcode
+                log.error("the engine process died (exit code %s); starting a new one", code)
+                self._lost |= self._held
+                self._held = set()
+                self._start()
+                raise EngineProcessLost(f"the engine process died (exit code {code})") from None
         if status != "ok":
             raise RuntimeError(value)
         return value
 
+    def place(self, model_ids: set[str]) -> set[str]:
+        """Of these models, those a dead engine process held: their gradients must be replayed."""
+        with self._lock:
+            moved, self._lost = self._lost & model_ids, self._lost - model_ids
+            return moved
+
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
-        return self._call("run_cycle", cycle, jobs)
+        try:
+            outcomes = self._call("run_cycle", cycle, jobs)
+        except EngineProcessLost as e:
+            return {q.id: Outcome.failed(str(e), "server") for q in cycle.all()}
+        self._held |= {q.model_id for q in cycle.all()}
+        return outcomes
 
     def durable_seq(self, model_id: str) -> int | None:
         return self._call("durable_seq", model_id)
@@ -65,3 +96,7 @@ class ProcessExecutor:
         self._proc.join(timeout=10)
         if self._proc.is_alive():
             self._proc.kill()
+
+
+class EngineProcessLost(RuntimeError):
+    pass

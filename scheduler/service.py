@@ -151,7 +151,7 @@ class SchedulerService:
             payloads = {request_id: payload for request_id, payload in selected}
             jobs = {q.id: Job(q, payloads[q.id]) for q in requests}
         moved = getattr(self.executor, "place", lambda model_ids: set())({q.model_id for q in requests})
-        if moved:  # their worker died: rebuild the gradients it held, on the new worker, first
+        if moved:  # their worker (or engine process) died: rebuild the gradients it held there, first
             with self.sessions() as s:
                 self._replay_lost_gradients(s, only=moved)
         # No "running" commit here: it would cost a database write per cycle on the latency path,
