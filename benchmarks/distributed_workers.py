@@ -7,7 +7,8 @@ in-process executor and through a CeleryExecutor to one worker process; p50 per 
 difference (Redis round trips, pickling, the Celery task, the result poll).
 Part 2, throughput: `tenants` adapters, each round one forward_backward (2 x 128 tokens) per
 tenant and one optim_step per tenant, through 1 worker process and through 2 (models split 4/4,
-the two parts of each cycle running at the same time). Needs Redis on 127.0.0.1:6379 (db 8).
+the two parts of each cycle running at the same time), the machine's cores shared out between
+the workers (OMP_NUM_THREADS). Needs Redis on 127.0.0.1:6379 (db 8).
 Results go to benchmarks/results/distributed_workers.md.
 """
 
@@ -87,7 +88,9 @@ def start_workers(names: list[str], model: str, data_dir: Path) -> list[subproce
     procs = []
     for name in names:
         env = os.environ | {"LORAPLEX_BASE_MODEL": model, "LORAPLEX_DATA_DIR": str(data_dir),
-                            "LORAPLEX_REDIS_URL": REDIS_URL, "LORAPLEX_WORKER_ID": name}
+                            "LORAPLEX_REDIS_URL": REDIS_URL, "LORAPLEX_WORKER_ID": name,
+                            # the cores shared out: two workers with all cores each oversubscribe them
+                            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // len(names)))}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "workers.celery_worker", "worker", "--pool", "solo", "-Q",
              f"trainer.{name}", "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",

@@ -124,14 +124,19 @@ class CeleryExecutor:
         return key, self.app.send_task(TASK, args=[key], queue=worker["queues"][0])
 
     def _collect(self, worker_id: str, key: str, result) -> dict[str, Outcome]:
+        """Block on the worker's "done" list (no polling delay); between waits, check its heartbeat."""
         try:
-            while not result.ready():
+            while True:
+                done = self.redis.blpop([f"{key}:done"], timeout=0.5)
+                if done is not None:
+                    out_key = done[1]
+                    break
+                if result.failed():
+                    result.get(propagate=True)  # the task raised: re-raise it here
                 if self.redis.get(worker_key(worker_id)) is None:
                     raise WorkerLost(f"{worker_id} stopped beating during the cycle")
-                time.sleep(0.005)
-            out_key = result.get(propagate=True)
             outcomes = pickle.loads(self.redis.get(out_key))
             self.redis.delete(out_key)
             return outcomes
         finally:
-            self.redis.delete(key)
+            self.redis.delete(key, f"{key}:done")

@@ -74,4 +74,6 @@ def run_cycle(cycle_key: str) -> str:
     outcomes = _state["executor"].run_cycle(cycle, jobs)
     out_key = f"{cycle_key}:outcomes"
     client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)
+    client.rpush(f"{cycle_key}:done", out_key)  # wakes the executor's blocking wait at once
+    client.expire(f"{cycle_key}:done", RESULT_TTL_SECONDS)
     return out_key
