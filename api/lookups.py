@@ -7,7 +7,7 @@ from fastapi import HTTPException, Request
 from sqlalchemy.orm import Session
 
 from api.paths import TinkerPath
-from db.models import Checkpoint, ClientSession, TrainingModel
+from db.models import Checkpoint, ClientSession, Sampler, TrainingModel
 
 
 def owned_session(db: Session, tenant_id: str, session_id: str) -> ClientSession:
@@ -21,6 +21,13 @@ def owned_model(db: Session, tenant_id: str, model_id: str) -> TrainingModel:
     row = db.get(TrainingModel, model_id)
     if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
         raise HTTPException(404, f"model_id: no model {model_id!r}")
+    return row
+
+
+def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:
+    row = db.get(Sampler, sampler_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise HTTPException(404, f"sampling_session_id: no sampler {sampler_id!r}")
     return row
 
 

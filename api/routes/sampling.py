@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from api import quotas
 from api.deps import DB, CurrentTenant
-from api.lookups import owned_session, resolve_checkpoint, served_model
+from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
 from api.submit import submit
 from db.models import Sampler, new_id
@@ -54,13 +54,6 @@ def create_sampling_session(body: CreateSamplingSession, request: Request, tenan
                        model_path=body.model_path, adapter_path=adapter_path))
         db.commit()
     return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-
-def owned_sampler(db: DB, tenant_id: str, sid: str) -> Sampler:
-    row = db.get(Sampler, sid)
-    if row is None or row.tenant_id != tenant_id:
-        raise HTTPException(404, f"sampling_session_id: no sampler {sid!r}")
-    return row
 
 
 _versions: dict[str, int] = {}  # snapshot folders are immutable once written: cache what was read

@@ -20,6 +20,7 @@ from tinker import types
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.service.conftest import drop_postgres_database, postgres_database
+from tests.uninterrupted import logprobs_after_steps
 from workers.celery_app import worker_key
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
@@ -124,12 +125,6 @@ def test_a_killed_worker_fails_its_cycle_and_training_continues_on_the_next(clus
     moved = tc.forward([datum(short)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 
     # the same history without any crash: the step on w2 used exactly the acknowledged gradient
-    local = TrainerEngine(tiny_model_path, max_rank=16)
-    local.create_adapter("x", LoraConfig(rank=4, seed=3))
-    d = Datum(short[:-1], {"target_tokens": short[1:], "weights": [1.0] * (len(short) - 1)})
-    for _ in range(2):
-        local.forward_backward([ForwardBackwardInput("x", [d])])
-        local.optim_step([("x", AdamParams(learning_rate=1e-2))])
-    expected = local.forward([ForwardBackwardInput("x", [d])])[0].loss_fn_outputs[0]["logprobs"].tolist()
+    expected = logprobs_after_steps(tiny_model_path, short, rank=4, seed=3, steps=2, lr=1e-2)
     assert moved == pytest.approx(expected, rel=1e-5)
     assert moved != pytest.approx(reference, rel=1e-4)

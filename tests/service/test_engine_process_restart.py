@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tinker
 from tinker import types
 
 from tests.servers import running_server
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
-from workers.trainer.engine import TrainerEngine
+from tests.uninterrupted import logprobs_after_steps
 
 TOKENS = list(range(10, 30))
 
@@ -43,11 +40,5 @@ def test_a_dead_engine_process_is_replaced_and_nothing_acknowledged_is_lost(serv
 
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # uses the replayed gradient
     after = tc.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-    local = TrainerEngine(tiny_model_path)
-    local.create_adapter("x", LoraConfig(rank=4, seed=2))
-    d = Datum(TOKENS[:-1], {"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)})
-    for _ in range(2):
-        local.forward_backward([ForwardBackwardInput("x", [d])])
-        local.optim_step([("x", AdamParams(learning_rate=1e-2))])
-    expected = local.forward([ForwardBackwardInput("x", [d])])[0].loss_fn_outputs[0]["logprobs"].tolist()
+    expected = logprobs_after_steps(tiny_model_path, TOKENS, rank=4, seed=2, steps=2, lr=1e-2)
     assert after == pytest.approx(expected, rel=1e-5)
