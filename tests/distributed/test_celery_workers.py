@@ -11,12 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import redis
 import tinker
 from tinker import types
 
+from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.service.conftest import drop_postgres_database, postgres_database
@@ -56,8 +58,9 @@ def cluster(tmp_path_factory):
                         port=free_port(), base_model="tiny", executor="celery", redis_url=REDIS_URL,
                         sampler_enabled=False, long_poll_seconds=5, max_lora_rank=16)
     server = ServerThread(settings)
-    yield {"server": server, "workers": workers, "data_dir": data_dir}
-    server.stop()
+    state = {"server": server, "workers": workers, "data_dir": data_dir, "settings": settings}
+    yield state
+    state["server"].stop()
     for worker in workers.values():
         worker.kill()
     drop_postgres_database(pg_name)
@@ -128,3 +131,59 @@ def test_a_killed_worker_fails_its_cycle_and_training_continues_on_the_next(clus
     expected = logprobs_after_steps(tiny_model_path, short, rank=4, seed=3, steps=2, lr=1e-2)
     assert moved == pytest.approx(expected, rel=1e-5)
     assert moved != pytest.approx(reference, rel=1e-4)
+
+
+def test_a_restarted_server_loses_no_accepted_request(cluster, tiny_model_path):
+    """Requests accepted but not run (seq_ids 2-4 wait for 1) survive a restart of the API and
+    scheduler; after it, seq 1 arrives and all four run once, in order."""
+    server = cluster["server"]
+    key = server.new_tenant()
+    tokens = list(range(10, 30))
+
+    def post(route: str, headers: dict | None = None, **kw) -> httpx.Response:
+        return httpx.post(f"{cluster['server'].base_url}/api/v1/{route}", headers={"X-API-Key": key, **(headers or {})},
+                          timeout=60, **kw)
+
+    session = post("create_session", json={"tags": []}).json()["session_id"]
+    created = post("create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny",
+                                          "lora_config": {"rank": 4, "seed": 5}}).json()
+    model_id = created["model_id"]
+    wait_for(post, created["request_id"])
+    inputs = {"target_tokens": np.array(tokens[1:]), "weights": np.ones(len(tokens) - 1, np.float32)}
+
+    def fwd_bwd(seq_id: int, forward_only: bool = False) -> str:
+        body = encode_forward_backward_request(model_id, seq_id, [(tokens[:-1], inputs)], "cross_entropy",
+                                               forward_only=forward_only)
+        headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+        return post("forward_backward", content=body, headers=headers).json()["request_id"]
+
+    later = [fwd_bwd(2), post("optim_step", json={"model_id": model_id, "seq_id": 3,
+                                                   "adam_params": {"learning_rate": 1e-2}}).json()["request_id"],
+             fwd_bwd(4, forward_only=True)]
+    server.stop()  # the API and the scheduler go away with three requests accepted and waiting
+    server = cluster["server"] = ServerThread(cluster["settings"])
+    first = fwd_bwd(1)
+    outcomes = [wait_for(post, request_id) for request_id in [first, *later]]
+    logprobs = decode_forward_backward_output(outcomes[-1])[0][0]["logprobs"].tolist()
+
+    expected_engine = TrainerEngine(tiny_model_path, max_rank=16)
+    expected_engine.create_adapter("x", LoraConfig(rank=4, seed=5))
+    d = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    expected_engine.forward_backward([ForwardBackwardInput("x", [d])] * 2)  # seq 1 and 2 accumulate
+    expected_engine.optim_step([("x", AdamParams(learning_rate=1e-2))])
+    expected = expected_engine.forward([ForwardBackwardInput("x", [d])])[0].loss_fn_outputs[0]["logprobs"].tolist()
+    assert logprobs == pytest.approx(expected, rel=1e-5)
+
+
+def wait_for(post, request_id: str, seconds: float = 120) -> bytes:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert time.monotonic() < deadline, f"{request_id} did not finish"
+        response = post("retrieve_future", json={"request_id": request_id})
+        assert response.status_code == 200, response.text
+        if response.headers["content-type"].startswith("application/json"):
+            body = response.json()
+            assert "error" not in body, body
+            if body.get("type") == "try_again":
+                continue
+        return response.content
