@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -20,6 +21,11 @@ from loraplex.errors import RequestFailedError
 
 T = TypeVar("T")
 PROGRESS_AFTER_SECONDS = 3.0
+
+
+def json_result(raw: bytes, _content_type: str) -> dict:
+    """The decoder of results that are JSON (every request type but forward/backward and sample)."""
+    return json.loads(raw)
 
 
 async def retrieve(transport: Transport, request_id: str, request_type: str, decode: Callable[[bytes, str], T]) -> T:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import TYPE_CHECKING
 
+from loraplex._seq import Counter
 from loraplex.futures import APIFuture, retrieve
 from loraplex.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
 from loraplex.wire.client import decode_sample_response
@@ -20,22 +19,17 @@ class SamplingClient:
         self.sampler_id = sampler_id
         self.base_model = base_model
         self.model_path = model_path
-        self._seq = itertools.count()
-        self._lock = threading.Lock()
+        self._seq = Counter()
 
     def __repr__(self) -> str:
         return f"SamplingClient({self.sampler_id!r}, base_model={self.base_model!r}, model_path={self.model_path!r})"
-
-    def _next_seq(self) -> int:
-        with self._lock:
-            return next(self._seq)
 
     def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None, *,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                topk_sample_logprobs: int = 0) -> APIFuture[SampleResponse]:
         """Sample `num_samples` continuations of `prompt`; each sequence carries its policy version."""
         body = {
-            "sampling_session_id": self.sampler_id, "seq_id": self._next_seq(), "num_samples": num_samples,
+            "sampling_session_id": self.sampler_id, "seq_id": self._seq.next(), "num_samples": num_samples,
             "prompt": prompt.to_json(), "sampling_params": (sampling_params or SamplingParams()).to_json(),
             "prompt_logprobs": include_prompt_logprobs, "topk_prompt_logprobs": topk_prompt_logprobs,
             "topk_sample_logprobs": topk_sample_logprobs, "type": "sample",
@@ -57,7 +51,7 @@ class SamplingClient:
         return APIFuture(self.service.transport, self._logprobs(prompt), f"logprobs of {prompt.length} tokens")
 
     async def _logprobs(self, prompt: ModelInput) -> list[float | None]:
-        body = {"sampling_session_id": self.sampler_id, "seq_id": self._next_seq(), "num_samples": 1,
+        body = {"sampling_session_id": self.sampler_id, "seq_id": self._seq.next(), "num_samples": 1,
                 "prompt": prompt.to_json(), "sampling_params": {"max_tokens": 1}, "prompt_logprobs": True,
                 "type": "sample"}
         return (await self._sample(body)).prompt_logprobs

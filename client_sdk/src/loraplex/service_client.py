@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
-import threading
 from typing import Any
 
 from loraplex import __version__
 from loraplex._transport import Transport
 from loraplex.config import ClientConfig
-from loraplex.futures import APIFuture, retrieve
+from loraplex._seq import Counter
+from loraplex.futures import APIFuture, json_result, retrieve
 from loraplex.rest_client import RestClient
 from loraplex.sampling_client import SamplingClient
-from loraplex.training_client import TrainingClient, _json_result
+from loraplex.training_client import TrainingClient
 
 
 class ServiceClient:
@@ -27,9 +26,8 @@ class ServiceClient:
         body = {"tags": [], "user_metadata": user_metadata or {}, "sdk_version": f"loraplex-{__version__}",
                 "type": "create_session"}
         self.session_id: str = self.call("POST", "/create_session", body)["session_id"]
-        self._model_seq = itertools.count()
-        self._sampling_seq = itertools.count()
-        self._lock = threading.Lock()
+        self._model_seq = Counter()
+        self._sampling_seq = Counter()
 
     def __repr__(self) -> str:
         return f"ServiceClient({self.config.base_url!r}, session={self.session_id!r})"
@@ -42,12 +40,8 @@ class ServiceClient:
         return (await self.transport.request(method, path, json=body)).json()
 
     def next_sampling_seq(self) -> int:
-        with self._lock:
-            return next(self._sampling_seq)
-
-    def _next_model_seq(self) -> int:
-        with self._lock:
-            return next(self._model_seq)
+        """Sampling sessions and ephemeral snapshots share one counter per session."""
+        return self._sampling_seq.next()
 
     def get_server_capabilities(self) -> list[dict]:
         return self.call("GET", "/get_server_capabilities")["supported_models"]
@@ -58,7 +52,7 @@ class ServiceClient:
         """A new LoRA adapter on `base_model` and its training client."""
         lora = {"rank": rank, "seed": seed, "alpha": alpha, "train_mlp": train_mlp, "train_attn": train_attn,
                 "train_unembed": train_unembed}
-        body = {"session_id": self.session_id, "model_seq_id": self._next_model_seq(), "base_model": base_model,
+        body = {"session_id": self.session_id, "model_seq_id": self._model_seq.next(), "base_model": base_model,
                 "lora_config": {k: v for k, v in lora.items() if v is not None}, "user_metadata": user_metadata,
                 "type": "create_model"}
         result = APIFuture(self.transport, self._create("/create_model", body, "CreateModel"), "create_model").result()
@@ -66,7 +60,7 @@ class ServiceClient:
 
     def create_training_client_from_state(self, path: str, *, with_optimizer: bool = False) -> TrainingClient:
         """A new training run starting from a saved training state (tinker://.../weights/...)."""
-        body = {"session_id": self.session_id, "model_seq_id": self._next_model_seq(), "path": path,
+        body = {"session_id": self.session_id, "model_seq_id": self._model_seq.next(), "path": path,
                 "optimizer": with_optimizer, "type": "load_weights"}
         result = APIFuture(self.transport, self._create("/load_weights", body, "LoadWeights"), "load_weights").result()
         info = self.call("POST", "/get_info", {"model_id": result["model_id"], "type": "get_info"})
@@ -74,7 +68,7 @@ class ServiceClient:
 
     async def _create(self, path: str, body: dict, kind: str) -> dict:
         accepted = await self._call("POST", path, body)
-        return await retrieve(self.transport, accepted["request_id"], kind, _json_result)
+        return await retrieve(self.transport, accepted["request_id"], kind, json_result)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None) -> SamplingClient:
         """A sampler of a saved snapshot (tinker://.../sampler_weights/...) or of a base model."""

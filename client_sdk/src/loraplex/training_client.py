@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import itertools
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -12,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from loraplex._transport import PROTOBUF
-from loraplex.futures import APIFuture, retrieve
+from loraplex._seq import Counter
+from loraplex.futures import APIFuture, json_result, retrieve
 from loraplex.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse
 from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 
@@ -26,26 +25,15 @@ class SaveWeightsResponse:
     path: str
 
 
-def _json_result(raw: bytes, _content_type: str) -> dict:
-    import json
-
-    return json.loads(raw)
-
-
 class TrainingClient:
     def __init__(self, service: "ServiceClient", model_id: str, base_model: str, next_seq_id: int = 1):
         self.service = service
         self.model_id = model_id
         self.base_model = base_model
-        self._seq = itertools.count(next_seq_id)  # seq_id 0 was the create (or create-via-load)
-        self._lock = threading.Lock()
+        self._seq = Counter(next_seq_id)  # seq_id 0 was the create (or create-via-load)
 
     def __repr__(self) -> str:
         return f"TrainingClient({self.model_id!r}, base_model={self.base_model!r})"
-
-    def _next_seq(self) -> int:
-        with self._lock:
-            return next(self._seq)
 
     @property
     def _transport(self):
@@ -66,7 +54,7 @@ class TrainingClient:
     def _forward_backward(self, data, loss_fn, loss_fn_config, forward_only, seq_id: int | None = None
                           ) -> APIFuture[ForwardBackwardOutput]:
         body = encode_forward_backward_request(
-            self.model_id, self._next_seq() if seq_id is None else seq_id,
+            self.model_id, self._seq.next() if seq_id is None else seq_id,
             [(d.model_input.to_ints(), d.arrays()) for d in data], loss_fn, loss_fn_config, forward_only,
         )
         kind = "Forward" if forward_only else "ForwardBackward"
@@ -87,7 +75,7 @@ class TrainingClient:
         surrogate sum(-dloss/dlogprobs * logprobs) (cross_entropy with those weights)."""
         if importlib.util.find_spec("torch") is None:
             raise ImportError("forward_backward_custom needs torch (pip install torch)")
-        seq_ids = self._next_seq(), self._next_seq()  # both now: calls made after this one run after it
+        seq_ids = self._seq.next(), self._seq.next()  # both now: calls made after this one run after it
         return APIFuture(self._transport, self._custom(list(data), loss_fn, seq_ids),
                          f"forward_backward_custom ({len(data)} datums)")
 
@@ -115,24 +103,24 @@ class TrainingClient:
     # --- optimizer, save, load -------------------------------------------------------------------
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
-        body = {"model_id": self.model_id, "seq_id": self._next_seq(),
+        body = {"model_id": self.model_id, "seq_id": self._seq.next(),
                 "adam_params": (adam_params or AdamParams()).to_json(), "type": "optim_step"}
         return APIFuture(self._transport, self._json_call("/optim_step", body, "OptimStep",
                                                           lambda r: OptimStepResponse(r.get("metrics", {}))), "optim_step")
 
     async def _json_call(self, path: str, body: dict, kind: str, convert):
         accepted = (await self._transport.request("POST", path, json=body)).json()
-        return convert(await retrieve(self._transport, accepted["request_id"], kind, _json_result))
+        return convert(await retrieve(self._transport, accepted["request_id"], kind, json_result))
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
         """Weights, Adam moments and step, as tinker://<model>/weights/<name>."""
-        body = {"model_id": self.model_id, "seq_id": self._next_seq(), "path": name, "ttl_seconds": ttl_seconds,
+        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "path": name, "ttl_seconds": ttl_seconds,
                 "type": "save_weights"}
         return APIFuture(self._transport, self._json_call("/save_weights", body, "SaveWeights",
                                                           lambda r: SaveWeightsResponse(r["path"])), f"save_state {name}")
 
     def load_state(self, path: str, *, with_optimizer: bool = False) -> APIFuture[dict]:
-        body = {"model_id": self.model_id, "seq_id": self._next_seq(), "path": path, "optimizer": with_optimizer,
+        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "path": path, "optimizer": with_optimizer,
                 "type": "load_weights"}
         return APIFuture(self._transport, self._json_call("/load_weights", body, "LoadWeights", dict), f"load_state {path}")
 
@@ -141,7 +129,7 @@ class TrainingClient:
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
         """A PEFT snapshot, tinker://<model>/sampler_weights/<name>, for samplers and download."""
-        body = {"model_id": self.model_id, "seq_id": self._next_seq(), "path": name, "ttl_seconds": ttl_seconds,
+        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "path": name, "ttl_seconds": ttl_seconds,
                 "type": "save_weights_for_sampler"}
         return APIFuture(self._transport, self._json_call("/save_weights_for_sampler", body, "SaveWeightsForSampler",
                                                           lambda r: SaveWeightsResponse(r["path"])), f"save {name}")
@@ -154,7 +142,7 @@ class TrainingClient:
             path = self.save_weights_for_sampler(name).result().path
             return self.service.create_sampling_client(model_path=path)
         sampler_seq = self.service.next_sampling_seq()
-        body = {"model_id": self.model_id, "seq_id": self._next_seq(), "sampling_session_seq_id": sampler_seq,
+        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "sampling_session_seq_id": sampler_seq,
                 "type": "save_weights_for_sampler"}
         result = APIFuture(self._transport, self._json_call("/save_weights_for_sampler", body, "SaveWeightsForSampler",
                                                             dict), "snapshot for sampling").result()
