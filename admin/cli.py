@@ -225,17 +225,14 @@ def checkpoints_list(tenant: Optional[str] = typer.Option(None), run: Optional[s
 def checkpoints_export(tinker_path: str, dest: Path) -> None:
     """Write a checkpoint's adapter to DEST as a PEFT folder."""
     from workers.models.registry import model_info
-    from workers.trainer.checkpoints import export_peft_from_state
+    from workers.trainer.checkpoints import export_peft
 
     with session() as s:
         row = _checkpoint(s, tinker_path)
         model = s.get(TrainingModel, row.model_id)
     if dest.exists():
         raise typer.BadParameter(f"{dest} exists", param_hint="DEST")
-    if row.kind == "sampler":
-        shutil.copytree(row.storage_path, dest)
-    else:
-        export_peft_from_state(row.storage_path, dest, model_info(model.base_model).path)
+    export_peft(row.storage_path, dest, model_info(model.base_model).path)
     console.print(f"{tinker_path} -> {dest}")
 
 

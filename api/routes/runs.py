@@ -19,7 +19,7 @@ from api.paths import TinkerPath, checkpoint_root
 from api.lookups import owned_model
 from db.models import Checkpoint, TrainingModel, utcnow
 from db.models import Request as RequestRow
-from workers.trainer.checkpoints import CheckpointError, export_peft_from_state
+from workers.trainer.checkpoints import CheckpointError, export_peft
 
 router = APIRouter()
 CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler"}
@@ -139,10 +139,7 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
     work = Path(tempfile.mkdtemp(prefix="loraplex-archive-"))
     adapter = work / "adapter"
     try:
-        if row.kind == "sampler":
-            shutil.copytree(row.storage_path, adapter)
-        else:
-            export_peft_from_state(row.storage_path, adapter, request.app.state.model_info.path)
+        export_peft(row.storage_path, adapter, request.app.state.model_info.path)
     except (FileNotFoundError, CheckpointError) as e:
         shutil.rmtree(work, ignore_errors=True)
         raise HTTPException(404, f"checkpoint_id: the files of {row.tinker_path!r} are not readable: {e}") from None

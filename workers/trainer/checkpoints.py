@@ -119,6 +119,17 @@ def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path:
     return Path(dest)
 
 
+def export_peft(checkpoint: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
+    """Any checkpoint as a PEFT folder at `dest`: a training state is converted, a sampler
+    snapshot (already PEFT) copied."""
+    if (Path(checkpoint) / MANIFEST).is_file():
+        return export_peft_from_state(checkpoint, dest, base_model_path)
+    if not (Path(checkpoint) / PEFT_WEIGHTS).is_file():
+        raise CheckpointError(f"{checkpoint} is neither a training state nor a PEFT folder")
+    shutil.copytree(checkpoint, dest)
+    return Path(dest)
+
+
 def read_snapshot_metadata(path: str | Path) -> dict | None:
     """The `loraplex.json` of a sampler snapshot folder, or None if the folder or file is missing."""
     try:
