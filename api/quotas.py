@@ -41,25 +41,23 @@ def check_new_model(db: Session, tenant_id: str, rank: int) -> None:
             raise _refuse("max_live_models", quota.max_live_models, f"{live} live models already")
 
 
-def check_training_tokens(db: Session, tenant_id: str, tokens: int) -> None:
+def _check_daily_tokens(db: Session, tenant_id: str, limit: str, count_used, tokens: int, what: str) -> None:
     quota = _quota(db, tenant_id)
-    if quota is None or quota.train_tokens_per_day is None:
+    allowed = getattr(quota, limit) if quota is not None else None
+    if allowed is None:
         return
-    used = usage.tokens_trained(db, tenant_id, usage.day_start())
-    if used + tokens > quota.train_tokens_per_day:
-        raise _refuse("train_tokens_per_day", quota.train_tokens_per_day,
-                      f"{used} tokens trained today, this request has {tokens}")
+    used = count_used(db, tenant_id, usage.day_start())
+    if used + tokens > allowed:
+        raise _refuse(limit, allowed, f"{used} tokens {what} today, this request up to {tokens}")
+
+
+def check_training_tokens(db: Session, tenant_id: str, tokens: int) -> None:
+    _check_daily_tokens(db, tenant_id, "train_tokens_per_day", usage.tokens_trained, tokens, "trained")
 
 
 def check_sampling_tokens(db: Session, tenant_id: str, tokens: int) -> None:
     """`tokens`: the prompt tokens and the most this request can generate."""
-    quota = _quota(db, tenant_id)
-    if quota is None or quota.sample_tokens_per_day is None:
-        return
-    used = usage.tokens_sampled(db, tenant_id, usage.day_start())
-    if used + tokens > quota.sample_tokens_per_day:
-        raise _refuse("sample_tokens_per_day", quota.sample_tokens_per_day,
-                      f"{used} tokens sampled today, this request up to {tokens}")
+    _check_daily_tokens(db, tenant_id, "sample_tokens_per_day", usage.tokens_sampled, tokens, "sampled")
 
 
 def check_storage(db: Session, tenant_id: str) -> None:
