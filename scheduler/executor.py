@@ -74,9 +74,17 @@ def _folder_size(path: Path) -> int:
 
 
 class InProcessExecutor:
+    # The executor interface the scheduler uses: run_cycle, durable_seq, place, and this flag
+    # (ProcessExecutor and CeleryExecutor have the same).
+    engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
+
     def __init__(self, engine: TrainerEngine, live_dir: Path) -> None:
         self.engine = engine
         self.live_dir = Path(live_dir)
+
+    def place(self, model_ids: set[str]) -> set[str]:
+        """The models whose engine died since they last ran (never, in this process)."""
+        return set()
 
     # --- durability ------------------------------------------------------------------------------
 

@@ -40,6 +40,8 @@ def _serve(conn, model_path: str, max_rank: int, live_dir: str) -> None:
 
 
 class ProcessExecutor:
+    engines_restart_with_scheduler = True  # the child ends with this process
+
     def __init__(self, model_path: Path, max_rank: int, live_dir: Path, start_timeout: float = 300) -> None:
         self._args = (str(model_path), max_rank, str(live_dir))
         self._start_timeout = start_timeout

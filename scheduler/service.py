@@ -86,7 +86,7 @@ class SchedulerService:
                 self.inbox.put(queued(row))
             # Local engines restarted with this process and lost their gradients; Celery workers
             # did not (a dead one's models are replayed when they move: see step).
-            if getattr(self.executor, "engines_restart_with_scheduler", True):
+            if self.executor.engines_restart_with_scheduler:
                 self._replay_lost_gradients(s)
         self.wakeup.set()
         return len(rows)
@@ -150,7 +150,7 @@ class SchedulerService:
             selected = s.execute(sa.select(Request.id, Request.payload).where(Request.id.in_([q.id for q in requests])))
             payloads = {request_id: payload for request_id, payload in selected}
             jobs = {q.id: Job(q, payloads[q.id]) for q in requests}
-        moved = getattr(self.executor, "place", lambda model_ids: set())({q.model_id for q in requests})
+        moved = self.executor.place({q.model_id for q in requests})
         if moved:  # their worker (or engine process) died: rebuild the gradients it held there, first
             with self.sessions() as s:
                 self._replay_lost_gradients(s, only=moved)
