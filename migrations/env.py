@@ -40,7 +40,25 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+# Several processes (API replicas, the scheduler) may upgrade one Postgres database as they start:
+# a session-level advisory lock lets one migrate while the others wait, then find nothing to do.
+MIGRATION_LOCK = 0x10AA_F1E5
+
+
 def run_migrations(connection: sa.Connection) -> None:
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK})")
+        connection.commit()  # the lock outlives the transaction; Alembic begins its own
+        try:
+            _run_migrations(connection)
+        finally:
+            connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
+            connection.commit()
+        return
+    _run_migrations(connection)
+
+
+def _run_migrations(connection: sa.Connection) -> None:
     sqlite = connection.dialect.name == "sqlite"
     if sqlite:
         # A batch rebuild drops and recreates a table; with foreign keys enforced that drop would

@@ -2,8 +2,11 @@
 
 Placement: a model sticks to one worker (its gradients and Adam state live there); a model seen
 for the first time, or whose worker is gone, goes to the live worker with the fewest models.
-The placement is kept in Redis, so it survives a scheduler restart. A cycle is split per worker;
-the parts run at the same time, one Celery task each.
+Rebalancing: a model about to run on a worker holding at least two models more than the least
+loaded one moves there first (e.g. when a worker joins): the old worker writes its full state,
+gradients included, to the shared store and drops it; the new one loads it on use, so the numbers
+are those of staying put. The placement is kept in Redis, so it survives a scheduler restart. A
+cycle is split per worker; the parts run at the same time, one Celery task each.
 
 Each part and its payloads go to Redis under a fresh key; the task carries only that key to the
 worker's own queue; the outcomes come back the same way. While waiting, the executor watches each
@@ -17,7 +20,6 @@ optim_step) before, so acknowledged work is neither lost nor applied twice.
 
 from __future__ import annotations
 
-import json
 import pickle
 import time
 import uuid
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from scheduler.executor import Job, Outcome
 from scheduler.planner import Cycle
-from workers.celery_app import RESULT_TTL_SECONDS, TASK, make_app, worker_key
+from workers.celery_app import EVICT_TASK, RESULT_TTL_SECONDS, TASK, live_registrations, make_app, worker_key
 from workers.trainer.checkpoints import read_manifest
 
 PLACEMENT = "loraplex:placement"  # Redis hash: model id -> worker id
@@ -51,9 +53,7 @@ class CeleryExecutor:
     # --- workers and placement -------------------------------------------------------------------
 
     def live_workers(self) -> dict[str, dict]:
-        records = [self.redis.get(key) for key in self.redis.scan_iter(worker_key("*"))]
-        workers = [json.loads(r) for r in records if r]
-        return {w["worker_id"]: w for w in workers if w["base_model"] == self.base_model and w["queues"]}
+        return live_registrations(self.redis, worker_key("*"), self.base_model)
 
     def _wait_for_workers(self) -> dict[str, dict]:
         deadline = time.monotonic() + self.wait_for_worker_seconds
@@ -74,17 +74,39 @@ class CeleryExecutor:
         except WorkerLost:
             return set()  # run_cycle fails the cycle clearly
         placed = self.placement()
-        load = Counter(w for w in placed.values() if w in workers)
-        moved = set()
+        load = Counter({w: 0 for w in workers}) + Counter(w for w in placed.values() if w in workers)
+        lost = set()
         for model_id in sorted(model_ids):
-            if placed.get(model_id) not in workers:
-                if model_id in placed:
-                    moved.add(model_id)
-                chosen = min(workers, key=lambda w: (load[w], w))
-                placed[model_id] = chosen
-                load[chosen] += 1
-                self.redis.hset(PLACEMENT, model_id, chosen)
-        return moved
+            current = placed.get(model_id)
+            least = min(workers, key=lambda w: (load[w], w))
+            if current not in workers:
+                if current is not None:
+                    lost.add(model_id)
+            elif load[current] - load[least] >= 2:
+                try:
+                    self.move(model_id, least, workers)
+                except WorkerLost:
+                    lost.add(model_id)  # it died while writing the state out: replay, as for any lost worker
+            else:
+                continue
+            placed[model_id] = least
+            load[least] += 1
+            if current in load:
+                load[current] -= 1
+            self.redis.hset(PLACEMENT, model_id, least)
+        return lost
+
+    def move(self, model_id: str, target: str, workers: dict[str, dict] | None = None) -> None:
+        """Move a model's full state (weights, gradients, Adam moments, step) to `target` through
+        the shared store. Call it between the model's cycles (the scheduler's thread does)."""
+        workers = workers or self._wait_for_workers()
+        source = self.placement().get(model_id)
+        if source == target:
+            return
+        if source in workers:
+            key, result = self._send(workers[source], EVICT_TASK, [model_id])
+            self._collect(source, key, result)
+        self.redis.hset(PLACEMENT, model_id, target)
 
     # --- the executor interface ------------------------------------------------------------------
 
@@ -109,7 +131,8 @@ class CeleryExecutor:
             )
             for worker in sorted(set(where.values()))
         }
-        sent = {worker: self._send(workers[worker], part, jobs) for worker, part in parts.items()}
+        sent = {worker: self._send(workers[worker], TASK, (part, {q.id: jobs[q.id] for q in part.all()}))
+                for worker, part in parts.items()}
         for worker, (key, result) in sent.items():
             try:
                 outcomes.update(self._collect(worker, key, result))
@@ -117,11 +140,10 @@ class CeleryExecutor:
                 outcomes.update({q.id: Outcome.failed(f"trainer worker lost: {e}", "server") for q in parts[worker].all()})
         return outcomes
 
-    def _send(self, worker: dict, part: Cycle, jobs: dict[str, Job]):
+    def _send(self, worker: dict, task: str, data):
         key = f"loraplex:cycle:{uuid.uuid4().hex}"
-        part_jobs = {q.id: jobs[q.id] for q in part.all()}
-        self.redis.set(key, pickle.dumps((part, part_jobs)), ex=RESULT_TTL_SECONDS)
-        return key, self.app.send_task(TASK, args=[key], queue=worker["queues"][0])
+        self.redis.set(key, pickle.dumps(data), ex=RESULT_TTL_SECONDS)
+        return key, self.app.send_task(task, args=[key], queue=worker["queues"][0])
 
     def _collect(self, worker_id: str, key: str, result) -> dict[str, Outcome]:
         """Block on the worker's "done" list (no polling delay); between waits, check its heartbeat."""

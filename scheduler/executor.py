@@ -9,12 +9,17 @@ Durability rule: an adapter's full training state is written to `live_dir` after
 load_weights and every optim_step, before the outcome is returned (so before the future
 resolves). After a restart an adapter is reloaded from there, and the forward_backward requests
 it had finished since (their gradients were only in memory) are replayed by the scheduler.
+
+Eviction (to make room, or to move the adapter to another worker) writes the adapter's full state,
+accumulated gradients included, marked with the last seq_id it ran, then drops it from memory:
+whoever loads it next continues exactly where it stopped, with nothing to replay.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,9 +83,11 @@ class InProcessExecutor:
     # (ProcessExecutor and CeleryExecutor have the same).
     engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
 
-    def __init__(self, engine: TrainerEngine, live_dir: Path) -> None:
+    def __init__(self, engine: TrainerEngine, live_dir: Path, max_resident: int = 0) -> None:
         self.engine = engine
         self.live_dir = Path(live_dir)
+        self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
+        self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
 
     def place(self, model_ids: set[str]) -> set[str]:
         """The models whose engine died since they last ran (never, in this process)."""
@@ -99,15 +106,28 @@ class InProcessExecutor:
         manifest = read_manifest(self._live_path(model_id))
         return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
 
-    def _ensure_loaded(self, model_ids) -> None:
-        for model_id in set(model_ids):
+    def _ensure_loaded(self, model_ids: set[str]) -> None:
+        for model_id in model_ids:
             if model_id not in self.engine.adapters and read_manifest(self._live_path(model_id)) is not None:
                 self.engine.load_state(model_id, self._live_path(model_id))
+        if self.max_resident:
+            idle = [m for m in self._last_seq if m not in model_ids]
+            for model_id in idle[: max(0, len(self.engine.adapters) - self.max_resident)]:
+                self.evict(model_id)
+
+    def evict(self, model_id: str) -> None:
+        """Write the adapter's full state (gradients included) and drop it from memory."""
+        if model_id not in self.engine.adapters:
+            return
+        last_seq = self._last_seq.pop(model_id, None)
+        if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
+            self.engine.save_state(model_id, self._live_path(model_id), extra={"seq_id": last_seq}, with_gradients=True)
+        self.engine.delete_adapter(model_id)
 
     # --- cycles ----------------------------------------------------------------------------------
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
-        self._ensure_loaded(r.model_id for r in cycle.all())
+        self._ensure_loaded({r.model_id for r in cycle.all()})
         outcomes: dict[str, Outcome] = {}
         if cycle.forward_backward:
             outcomes.update(self._forward_backward([jobs[r.id] for r in cycle.forward_backward]))
@@ -115,6 +135,10 @@ class InProcessExecutor:
             outcomes.update(self._optim_steps([jobs[r.id] for r in cycle.optim_steps]))
         for request in cycle.others:
             outcomes[request.id] = self._guarded(self._other, jobs[request.id])
+        for request in cycle.all():  # requests of one model run in seq_id order
+            if request.model_id in self.engine.adapters:
+                self._last_seq[request.model_id] = max(self._last_seq.get(request.model_id, -1), request.seq_id)
+                self._last_seq.move_to_end(request.model_id)
         return outcomes
 
     def _forward_backward(self, jobs: list[Job]) -> dict[str, Outcome]:

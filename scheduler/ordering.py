@@ -29,7 +29,7 @@ class ReorderBuffer:
     def __init__(self) -> None:
         self._waiting: dict[str, dict[int, QueuedRequest]] = {}  # model -> seq_id -> request
         self._next_seq: dict[str, int] = {}  # model -> next seq_id to run
-        self._running: set[str] = set()  # models with a request in flight
+        self._running: dict[str, set[int]] = {}  # models with requests in flight -> their seq_ids
 
     def add(self, request: QueuedRequest, next_seq: int | None = None) -> None:
         """Queue a request; `next_seq` tells a model's position the first time it is seen."""
@@ -38,6 +38,8 @@ class ReorderBuffer:
         self._next_seq.setdefault(request.model_id, 0)
         if request.seq_id < self._next_seq[request.model_id]:
             raise ValueError(f"{request.model_id} seq_id {request.seq_id} already ran")
+        if request.seq_id in self._running.get(request.model_id, ()):
+            return  # a second copy of a request in flight (it may arrive twice around a restart)
         self._waiting.setdefault(request.model_id, {})[request.seq_id] = request
 
     def knows(self, model_id: str) -> bool:
@@ -66,12 +68,12 @@ class ReorderBuffer:
     def start(self, requests: list[QueuedRequest]) -> None:
         """Mark requests as dispatched; their model runs nothing else until `finish`."""
         for r in requests:
-            self._running.add(r.model_id)
+            self._running.setdefault(r.model_id, set()).add(r.seq_id)
             del self._waiting[r.model_id][r.seq_id]
 
     def finish(self, requests: list[QueuedRequest]) -> None:
         for r in requests:
-            self._running.discard(r.model_id)
+            self._running.pop(r.model_id, None)
             self._next_seq[r.model_id] = max(self._next_seq[r.model_id], r.seq_id + 1)
             if not self._waiting.get(r.model_id):
                 self._waiting.pop(r.model_id, None)
@@ -79,7 +81,7 @@ class ReorderBuffer:
     def forget(self, model_id: str) -> None:
         self._waiting.pop(model_id, None)
         self._next_seq.pop(model_id, None)
-        self._running.discard(model_id)
+        self._running.pop(model_id, None)
 
     def __len__(self) -> int:
         return sum(len(w) for w in self._waiting.values())

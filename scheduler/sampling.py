@@ -9,6 +9,7 @@ as for training requests. On start, accepted but unfinished samples are submitte
 from __future__ import annotations
 
 import logging
+import threading
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
@@ -16,7 +17,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from db.models import Request, RequestState, utcnow
 from loraplex.wire.codec import encode_sample_response
 from scheduler.notify import Notifier
-from workers.sampler.engine import SamplerEngine
 from workers.sampler.jobs import SampleJob, SampleResult
 from workers.trainer.errors import EngineError
 
@@ -35,12 +35,17 @@ class SamplerUnavailable(Exception):
 
 
 class SamplingDispatcher:
-    def __init__(self, sessions: sessionmaker[Session], engine: SamplerEngine, notifier: Notifier,
+    """`engine`: a SamplerEngine in this process, or a RemoteSamplerEngine (scheduler/remote_sampler.py)
+    over Celery sampler workers; both call back with each outcome."""
+
+    def __init__(self, sessions: sessionmaker[Session], engine, notifier: Notifier,
                  max_pending: int) -> None:
         self.sessions = sessions
         self.engine = engine
         self.notifier = notifier
         self.max_pending = max_pending
+        self._in_flight: set[str] = set()  # a second copy of a job in flight is dropped (scheduler/bus.py)
+        self._lock = threading.Lock()
 
     def check_capacity(self) -> None:
         if self.engine.failed is not None:
@@ -49,6 +54,10 @@ class SamplingDispatcher:
             raise SamplerBusy(f"the sampler has {self.engine.pending} requests in flight (limit {self.max_pending})")
 
     def submit(self, job: SampleJob) -> None:
+        with self._lock:
+            if job.request_id in self._in_flight:
+                return
+            self._in_flight.add(job.request_id)
         self.engine.submit(job, self._done)
 
     def recover(self) -> int:
@@ -76,6 +85,8 @@ class SamplingDispatcher:
                 row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage
             row.finished_at = utcnow()
             s.commit()
+        with self._lock:
+            self._in_flight.discard(request_id)
         self.notifier.notify(request_id)
 
     def close(self) -> None:

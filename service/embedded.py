@@ -60,12 +60,7 @@ def build_sampling(settings: Settings, info, sessions, notifier: Notifier) -> tu
         return None, "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)"
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed (pip install -e '.[sampler-cpu]', or '.[sampler-gpu]' on a GPU machine)"
-    engine = SamplerEngine(SamplerConfig(
-        model_path=info.path, max_model_len=info.max_context, max_lora_rank=settings.max_lora_rank,
-        max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras,
-        dtype=settings.sampler_dtype, kv_cache_gib=settings.sampler_kv_cache_gib,
-        engine_process=settings.sampler_engine_process,
-    ))
+    engine = SamplerEngine(SamplerConfig.from_settings(settings, info))
     return SamplingDispatcher(sessions, engine, notifier, settings.sampler_max_pending), ""
 
 
@@ -81,9 +76,10 @@ def build(settings: Settings) -> EmbeddedServer:
 
         executor = CeleryExecutor(settings.redis_url, info.name, live_dir)
     elif settings.engine_process:
-        executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir)
+        executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir, max_resident=settings.max_resident_adapters)
     else:
-        executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), live_dir)
+        executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), live_dir,
+                                     settings.max_resident_adapters)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds)

@@ -19,6 +19,8 @@ class Settings(BaseSettings):
     port: int = 8000
 
     max_lora_rank: int = 64
+    max_resident_adapters: int = Field(0, description="adapters a trainer keeps in memory (0: no limit); "
+                                       "the least recently used are written to the data dir and reloaded on use")
     # Embedded mode is one process with an in-process executor. True moves the trainer engine into
     # a child process (its own GIL), so the API stays responsive while it computes.
     engine_process: bool = False

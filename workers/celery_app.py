@@ -1,19 +1,81 @@
-"""What the scheduler's CeleryExecutor and the Celery trainer workers share: the app, the task name,
-the Redis keys."""
+"""What the scheduler and the Celery workers share: the app, the task names, the Redis keys, and
+the registration each worker keeps alive with heartbeats."""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
 from celery import Celery
 
-TASK = "loraplex.run_cycle"
+log = logging.getLogger(__name__)
+
+TASK = "loraplex.run_cycle"  # trainer workers: run one cycle stored in Redis
+EVICT_TASK = "loraplex.evict"  # trainer workers: write adapters' full state to the store, drop them
+SAMPLE_TASK = "loraplex.sample"  # sampler workers: start one sample job stored in Redis
 HEARTBEAT_SECONDS = 1.0
 HEARTBEAT_TTL_SECONDS = 5  # a worker silent this long is dead
 RESULT_TTL_SECONDS = 3600  # cycles and outcomes left in Redis by a crash expire
 
 
 def worker_key(worker_id: str) -> str:
-    """The worker's registration: base model, queues, resident adapters; expires without heartbeats."""
+    """A trainer worker's registration: base model, queues, resident adapters; expires without heartbeats."""
     return f"loraplex:worker:{worker_id}"
+
+
+def sampler_key(worker_id: str) -> str:
+    """A sampler worker's registration: base model, queues, samples in flight."""
+    return f"loraplex:sampler:{worker_id}"
+
+
+def scheduler_key(base_model: str) -> str:
+    """The scheduler's heartbeat (one scheduler per base model)."""
+    return f"loraplex:scheduler:{base_model}"
+
+
+def sample_done_key(base_model: str) -> str:
+    """A list: the sampler workers of `base_model` push each finished request id here."""
+    return f"loraplex:sample-done:{base_model}"
+
+
+def sample_outcome_key(request_id: str) -> str:
+    return f"loraplex:sample-outcome:{request_id}"
+
+
+def live_registrations(client, pattern: str, base_model: str) -> dict[str, dict]:
+    """Registrations matching `pattern` (e.g. worker_key("*")) of workers serving `base_model`."""
+    records = [client.get(key) for key in client.scan_iter(pattern)]
+    workers = [json.loads(r) for r in records if r]
+    return {w["worker_id"]: w for w in workers if w["base_model"] == base_model and w["queues"]}
+
+
+def start_heartbeat(client, key: str, record: Callable[[], dict]) -> None:
+    """Refresh `key` with `record()` every HEARTBEAT_SECONDS from a daemon thread; it expires
+    HEARTBEAT_TTL_SECONDS after the process dies."""
+
+    def beat() -> None:
+        while True:
+            try:
+                client.set(key, json.dumps(record() | {"pid": os.getpid(), "time": time.time()}),
+                           ex=HEARTBEAT_TTL_SECONDS)
+            except Exception:  # Redis away for a moment: the next beat tries again
+                log.exception("heartbeat failed")
+            time.sleep(HEARTBEAT_SECONDS)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def worker_identity(sender) -> tuple[str, list[str]]:
+    """(worker id, queue names) of the Celery worker that sent worker_ready."""
+    import socket
+
+    worker_id = os.environ.get("LORAPLEX_WORKER_ID") or getattr(sender, "hostname", None) or socket.gethostname()
+    consumer = getattr(sender, "task_consumer", None)
+    return worker_id, [q.name for q in consumer.queues] if consumer else []
 
 
 def make_app(redis_url: str) -> Celery:

@@ -15,17 +15,14 @@ gradients twice); the scheduler fails it instead.
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import socket
-import threading
-import time
 
 from celery import signals
 
 from service.settings import Settings
-from workers.celery_app import HEARTBEAT_SECONDS, HEARTBEAT_TTL_SECONDS, RESULT_TTL_SECONDS, TASK, make_app, worker_key
+from workers.celery_app import (
+    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_app, start_heartbeat, worker_identity, worker_key,
+)
 
 settings = Settings()
 app = make_app(settings.redis_url)
@@ -46,24 +43,20 @@ def _start(sender=None, **_) -> None:
     from workers.trainer.engine import TrainerEngine
 
     info = model_info(settings.base_model)
-    _state["executor"] = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank),
-                                           settings.data_dir / "live")
-    worker_id = os.environ.get("LORAPLEX_WORKER_ID") or getattr(sender, "hostname", None) or socket.gethostname()
-    consumer = getattr(sender, "task_consumer", None)
-    queues = [q.name for q in consumer.queues] if consumer else []
-    _state["worker_id"] = worker_id
-    threading.Thread(target=_heartbeat, args=(worker_id, info.name, queues), daemon=True).start()
+    executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), settings.data_dir / "live",
+                                 settings.max_resident_adapters)
+    _state["executor"] = executor
+    worker_id, queues = worker_identity(sender)
+    start_heartbeat(_redis(), worker_key(worker_id), lambda: {
+        "worker_id": worker_id, "base_model": info.name, "queues": queues, "adapters": sorted(executor.engine.adapters)})
 
 
-def _heartbeat(worker_id: str, base_model: str, queues: list[str]) -> None:
-    client = _redis()
-    while True:
-        executor = _state.get("executor")
-        adapters = sorted(executor.engine.adapters) if executor else []
-        record = {"worker_id": worker_id, "base_model": base_model, "queues": queues, "adapters": adapters,
-                  "pid": os.getpid(), "time": time.time()}
-        client.set(worker_key(worker_id), json.dumps(record), ex=HEARTBEAT_TTL_SECONDS)
-        time.sleep(HEARTBEAT_SECONDS)
+def _reply(client, key: str, outcomes) -> str:
+    out_key = f"{key}:outcomes"
+    client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)
+    client.rpush(f"{key}:done", out_key)  # wakes the executor's blocking wait at once
+    client.expire(f"{key}:done", RESULT_TTL_SECONDS)
+    return out_key
 
 
 @app.task(name=TASK)
@@ -71,9 +64,13 @@ def run_cycle(cycle_key: str) -> str:
     """Run the cycle stored at `cycle_key`; the outcomes go to `<cycle_key>:outcomes`."""
     client = _redis()
     cycle, jobs = pickle.loads(client.get(cycle_key))
-    outcomes = _state["executor"].run_cycle(cycle, jobs)
-    out_key = f"{cycle_key}:outcomes"
-    client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)
-    client.rpush(f"{cycle_key}:done", out_key)  # wakes the executor's blocking wait at once
-    client.expire(f"{cycle_key}:done", RESULT_TTL_SECONDS)
-    return out_key
+    return _reply(client, cycle_key, _state["executor"].run_cycle(cycle, jobs))
+
+
+@app.task(name=EVICT_TASK)
+def evict(key: str) -> str:
+    """Write the full state of the models listed at `key` to the shared store and drop them (they move)."""
+    client = _redis()
+    for model_id in pickle.loads(client.get(key)):
+        _state["executor"].evict(model_id)
+    return _reply(client, key, {})

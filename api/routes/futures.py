@@ -16,6 +16,9 @@ from db.models import RequestState
 
 router = APIRouter()
 FINISHED = (RequestState.DONE, RequestState.FAILED)
+# A long-poll wakes when the scheduler says the request finished, and re-reads the database at
+# least this often anyway: a wake-up lost between processes (scheduler/bus.py) only delays.
+RECHECK_SECONDS = 2.0
 
 
 class RetrieveFuture(BaseModel):
@@ -45,7 +48,7 @@ async def retrieve_future(body: RetrieveFuture, request: Request, tenant: Curren
             if remaining <= 0:
                 return JSONResponse({"type": "try_again", "request_id": row.id, "queue_state": "active"})
             try:
-                await asyncio.wait_for(finished.wait(), timeout=remaining)
+                await asyncio.wait_for(finished.wait(), timeout=min(remaining, RECHECK_SECONDS))
             except asyncio.TimeoutError:
                 pass
             finished.clear()

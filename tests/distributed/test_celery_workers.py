@@ -4,12 +4,8 @@ cycle fails clearly while acknowledged work survives on the other worker."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -21,31 +17,14 @@ from tinker import types
 from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
+from tests.distributed.processes import start_worker, wait_for
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
-from workers.celery_app import worker_key
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def start_worker(name: str, data_dir: Path) -> subprocess.Popen:
-    env = os.environ | {"LORAPLEX_BASE_MODEL": "tiny", "LORAPLEX_DATA_DIR": str(data_dir),
-                        "LORAPLEX_REDIS_URL": REDIS_URL, "LORAPLEX_WORKER_ID": name, "LORAPLEX_MAX_LORA_RANK": "16"}
-    command = [sys.executable, "-m", "celery", "-A", "workers.celery_worker", "worker", "--pool", "solo",
-               "-Q", f"trainer.{name}", "-n", f"{name}@localhost", "--without-gossip", "--without-mingle",
-               "--without-heartbeat", "-l", "WARNING"]
-    process = subprocess.Popen(command, cwd=ROOT, env=env)
-    client = redis.Redis.from_url(REDIS_URL)
-    deadline = time.monotonic() + 120
-    while client.get(worker_key(name)) is None:
-        assert process.poll() is None, "the worker exited"
-        assert time.monotonic() < deadline, "the worker did not register"
-        time.sleep(0.1)
-    return process
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +32,7 @@ def cluster(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()
     data_dir = tmp_path_factory.mktemp("shared")
     pg_name = postgres_database()
-    workers = {name: start_worker(name, data_dir) for name in ("w1", "w2")}
+    workers = {name: start_worker(name, data_dir, REDIS_URL) for name in ("w1", "w2")}
     settings = Settings(data_dir=data_dir, database_url=f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}",
                         port=free_port(), base_model="tiny", executor="celery", redis_url=REDIS_URL,
                         sampler_enabled=False, long_poll_seconds=5, max_lora_rank=16)
@@ -175,15 +154,23 @@ def test_a_restarted_server_loses_no_accepted_request(cluster, tiny_model_path):
     assert logprobs == pytest.approx(expected, rel=1e-5)
 
 
-def wait_for(post, request_id: str, seconds: float = 120) -> bytes:
-    deadline = time.monotonic() + seconds
-    while True:
-        assert time.monotonic() < deadline, f"{request_id} did not finish"
-        response = post("retrieve_future", json={"request_id": request_id})
-        assert response.status_code == 200, response.text
-        if response.headers["content-type"].startswith("application/json"):
-            body = response.json()
-            assert "error" not in body, body
-            if body.get("type") == "try_again":
-                continue
-        return response.content
+def test_a_joining_worker_takes_over_a_model_with_the_numbers_of_staying_put(cluster, tiny_model_path):
+    """Rebalancing: the busier worker writes the model's full state (gradients and Adam moments
+    included) to the shared store; the new worker loads it and goes on as if nothing had moved."""
+    server = cluster["server"]
+    tc = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant()) \
+        .create_lora_training_client(base_model="tiny", rank=4, seed=11).result()
+    tokens = list(range(50, 80))
+    tc.forward_backward([datum(tokens)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc.forward_backward([datum(tokens)], "cross_entropy").result()  # a gradient only in the old worker's memory
+    executor = server.embedded.executor
+    before = executor.placement()[tc.model_id]
+    assert sum(1 for w in executor.placement().values() if w == before) >= 2  # the busier worker
+
+    cluster["workers"]["w3"] = start_worker("w3", cluster["data_dir"], REDIS_URL)
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert executor.placement()[tc.model_id] == "w3"
+    logprobs = tc.forward([datum(tokens)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    expected = logprobs_after_steps(tiny_model_path, tokens, rank=4, seed=11, steps=2, lr=1e-2)
+    assert logprobs == pytest.approx(expected, rel=1e-6)

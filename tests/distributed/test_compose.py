@@ -19,7 +19,7 @@ def compose() -> dict:
 
 def test_compose_file_parses_with_every_service_and_health_check():
     services = compose()["services"]
-    assert {"postgres", "redis", "server", "trainer-1"} <= set(services)
+    assert {"postgres", "redis", "api", "scheduler", "trainer-1", "sampler-1"} <= set(services)
     for name, service in services.items():
         assert "healthcheck" in service, name
     assert "loraplex-data" in compose()["volumes"]

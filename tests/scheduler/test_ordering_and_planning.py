@@ -31,6 +31,21 @@ def test_run_stops_at_the_first_non_batchable_request():
     assert [r.seq_id for r in buf.runnable()["m"]] == [3]
 
 
+def test_a_second_copy_of_a_request_runs_once():
+    """Around a scheduler restart a request may arrive from the database and from the inbox."""
+    buf = ReorderBuffer()
+    buf.add(req("m", 1), next_seq=1)
+    buf.add(req("m", 1))  # while waiting: the same entry
+    run = buf.runnable()["m"]
+    assert [r.seq_id for r in run] == [1]
+    buf.start(run)
+    buf.add(req("m", 1))  # while running: dropped
+    buf.finish(run)
+    assert buf.runnable() == {} and len(buf) == 0
+    with pytest.raises(ValueError, match="already ran"):
+        buf.add(req("m", 1))
+
+
 def test_a_failed_request_does_not_block_the_next():
     buf = ReorderBuffer()
     buf.add(req("m", 1), next_seq=1)

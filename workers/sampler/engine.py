@@ -43,6 +43,16 @@ class SamplerConfig:
     prefix_caching: bool = True
     seed: int = 0
 
+    @classmethod
+    def from_settings(cls, settings, info) -> "SamplerConfig":
+        """From the service's Settings and the base model's registry entry."""
+        return cls(
+            model_path=info.path, max_model_len=info.max_context, max_lora_rank=settings.max_lora_rank,
+            max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras,
+            dtype=settings.sampler_dtype, kv_cache_gib=settings.sampler_kv_cache_gib,
+            engine_process=settings.sampler_engine_process,
+        )
+
 
 def vllm_sampling_params(job: SampleJob):
     from vllm import SamplingParams

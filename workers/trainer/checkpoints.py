@@ -141,11 +141,16 @@ def read_snapshot_metadata(path: str | Path) -> dict | None:
 # --- training state ----------------------------------------------------------------------------
 
 
-def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None = None) -> Path:
-    """Save weights, Adam moments and step; `extra` is kept in the manifest (e.g. the seq_id it reflects)."""
+def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None = None, *,
+                        with_gradients: bool = False) -> Path:
+    """Save weights, Adam moments and step; `extra` is kept in the manifest (e.g. the seq_id it
+    reflects). `with_gradients` adds the gradients accumulated since the last optim_step: the
+    adapter's full state, for moving it to another worker."""
     tensors = {}
     for name, p in adapter.named_parameters():
         tensors[f"weight/{name}"] = p.detach().cpu().contiguous()
+        if with_gradients and p.grad is not None:
+            tensors[f"grad/{name}"] = p.grad.detach().cpu().contiguous()
         state = adapter.optimizer.state.get(p)
         if state:
             tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
@@ -158,6 +163,7 @@ def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None =
             "lora_config": adapter.config.to_dict(),
             "step": adapter.step,
             "has_optimizer_state": any(k.startswith("exp_avg/") for k in tensors),
+            "has_gradients": any(k.startswith("grad/") for k in tensors),
             "tensors_sha256": _sha256(tmp / STATE_TENSORS),
             "extra": extra or {},
         }
@@ -226,4 +232,8 @@ def load_training_state(
                 "exp_avg": tensors[f"exp_avg/{name}"].to(p.device, p.dtype),
                 "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device, p.dtype),
             }
+    if with_optimizer and manifest.get("has_gradients"):  # a moved adapter's accumulated gradients
+        for name, p in adapter.named_parameters():
+            if (grad := tensors.get(f"grad/{name}")) is not None:
+                p.grad = grad.to(p.device, p.dtype)
     return adapter

@@ -208,8 +208,9 @@ class TrainerEngine:
         metadata = {"policy_version": adapter.step, "adapter_id": adapter_id}
         return checkpoints.save_peft_adapter(adapter, path, self.model_path, metadata)
 
-    def save_state(self, adapter_id: str, path: str | Path, extra: dict | None = None) -> Path:
-        return checkpoints.save_training_state(self.adapter(adapter_id), path, extra)
+    def save_state(self, adapter_id: str, path: str | Path, extra: dict | None = None, *,
+                   with_gradients: bool = False) -> Path:
+        return checkpoints.save_training_state(self.adapter(adapter_id), path, extra, with_gradients=with_gradients)
 
     def load_state(self, adapter_id: str, path: str | Path, *, with_optimizer: bool = True) -> Adapter:
         """Create (or replace) `adapter_id` from a training-state checkpoint."""

@@ -1,0 +1,112 @@
+"""Distributed mode: API replicas and one scheduler as separate processes, Celery workers beside them.
+
+    python -m service api         # any number of replicas: HTTP, validation, the database, no engines
+    python -m service scheduler   # exactly one: orders and plans cycles, runs them on the workers
+    celery -A workers.celery_worker worker ...    # trainer workers (one per device)
+    celery -A workers.sampler_worker worker ...   # sampler workers (one per device)
+
+All of them share one database (Postgres), one Redis and one data dir (checkpoints and adapter
+state). The API stores each request and pushes it to the scheduler through Redis; the scheduler
+stores every outcome and publishes it; each API replica wakes its long-polls (scheduler/bus.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import redis
+
+from api.app import create_app
+from db.session import make_engine, make_session_factory, upgrade_to_head
+from scheduler.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
+from scheduler.celery_executor import CeleryExecutor
+from scheduler.notify import Notifier
+from scheduler.sampling import SamplingDispatcher
+from scheduler.service import SchedulerService
+from service.settings import Settings
+from workers.celery_app import scheduler_key, start_heartbeat
+from workers.models.registry import model_info
+
+log = logging.getLogger(__name__)
+
+
+def _database(settings: Settings):
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade_to_head(settings.resolved_database_url)
+    return make_session_factory(make_engine(settings.resolved_database_url))
+
+
+def build_api(settings: Settings):
+    """The FastAPI app of one API replica, and the listener that wakes its long-polls."""
+    sessions = _database(settings)
+    client = redis.Redis.from_url(settings.redis_url)
+    info = model_info(settings.base_model)
+    notifier = Notifier()
+    inbox = RedisInbox(client, info.name)
+    sampling = RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending) if settings.sampler_enabled else None
+    app = create_app(settings=settings, sessions_factory=sessions, scheduler=inbox, notifier=notifier, model_info=info,
+                     sampling_dispatcher=sampling,
+                     sampling_unavailable="the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
+    return app, FinishedListener(client, notifier)
+
+
+class SchedulerProcess:
+    """The scheduler: cycles to Celery trainer workers, samples to Celery sampler workers."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.sessions = _database(settings)
+        client = redis.Redis.from_url(settings.redis_url)
+        info = model_info(settings.base_model)
+        publisher = FinishedPublisher(client)
+        executor = CeleryExecutor(settings.redis_url, info.name, settings.data_dir / "live")
+        self.scheduler = SchedulerService(self.sessions, executor, settings.cycle_token_budget, publisher,
+                                          settings.cycle_gather_seconds)
+        self.sampling = None
+        if settings.sampler_enabled:
+            from scheduler.remote_sampler import RemoteSamplerEngine
+
+            self.sampling = SamplingDispatcher(self.sessions, RemoteSamplerEngine(settings.redis_url, info.name),
+                                               publisher, settings.sampler_max_pending)
+        self.inbox = InboxConsumer(client, info.name, self.scheduler, self.sampling, self.sessions)
+        self._beat = lambda: start_heartbeat(client, scheduler_key(info.name), lambda: {"base_model": info.name})
+
+    def start(self) -> None:
+        # Unfinished requests come back from the database first; copies of them still in the
+        # inbox are then dropped as duplicates.
+        self.scheduler.start()
+        if self.sampling is not None:
+            self.sampling.engine.start()
+            self.sampling.recover()
+        self.inbox.start()
+        self._beat()
+
+    def close(self) -> None:
+        self.inbox.stop()
+        self.scheduler.stop()
+        if self.sampling is not None:
+            self.sampling.close()
+
+
+def run_scheduler(settings: Settings) -> None:
+    process = SchedulerProcess(settings)
+    process.start()
+    print(f"Loraplex scheduler for {settings.base_model} on {settings.redis_url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    process.close()
+
+
+def run_api(settings: Settings) -> None:
+    import uvicorn
+
+    app, listener = build_api(settings)
+    listener.start()
+    print(f"Loraplex API for {settings.base_model} at http://{settings.host}:{settings.port}", flush=True)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        listener.stop()

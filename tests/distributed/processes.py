@@ -1,0 +1,98 @@
+"""Starting Loraplex's processes for the distributed tests: Celery trainer and sampler workers, the
+API and the scheduler, each with the command an operator (or docker-compose.yml) uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+
+from workers.celery_app import sampler_key, worker_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def service_env(redis_url: str, data_dir: Path, **more: str) -> dict[str, str]:
+    return os.environ | {"LORAPLEX_BASE_MODEL": "tiny", "LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_REDIS_URL": redis_url,
+                         "LORAPLEX_MAX_LORA_RANK": "16"} | more
+
+
+def _wait_registered(process: subprocess.Popen, redis_url: str, key: str, seconds: float = 180) -> None:
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + seconds
+    while client.get(key) is None:
+        assert process.poll() is None, f"the process registering {key} exited"
+        assert time.monotonic() < deadline, f"nothing registered {key}"
+        time.sleep(0.1)
+
+
+def celery_worker(module: str, name: str, queue: str, env: dict[str, str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "celery", "-A", module, "worker", "--pool", "solo", "-Q", queue,
+               "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING"]
+    return subprocess.Popen(command, cwd=ROOT, env=env | {"LORAPLEX_WORKER_ID": name})
+
+
+def start_worker(name: str, data_dir: Path, redis_url: str) -> subprocess.Popen:
+    """A trainer worker, once it is registered."""
+    process = celery_worker("workers.celery_worker", name, f"trainer.{name}", service_env(redis_url, data_dir))
+    _wait_registered(process, redis_url, worker_key(name))
+    return process
+
+
+def start_sampler(name: str, data_dir: Path, redis_url: str) -> subprocess.Popen:
+    """A sampler worker, once it is registered (its vLLM engine may still be loading: jobs wait)."""
+    env = service_env(redis_url, data_dir, LORAPLEX_SAMPLER_KV_CACHE_GIB="0.25")
+    process = celery_worker("workers.sampler_worker", name, f"sampler.{name}", env)
+    _wait_registered(process, redis_url, sampler_key(name))
+    return process
+
+
+def start_service(command: str, env: dict[str, str], *args: str) -> subprocess.Popen:
+    """`python -m service <command>` (api or scheduler)."""
+    return subprocess.Popen([sys.executable, "-m", "service", command, *args], cwd=ROOT, env=env)
+
+
+def wait_healthy(process: subprocess.Popen, base_url: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, "the API exited"
+        assert time.monotonic() < deadline, "the API did not answer"
+        try:
+            if httpx.get(f"{base_url}/api/v1/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
+def create_tenant_key(database_url: str, name: str) -> str:
+    """A tenant in the deployment's database (as `loraplex-admin tenants create` does); its API key."""
+    from db.session import make_engine, make_session_factory
+    from service.tenants import create_tenant
+
+    engine = make_engine(database_url)
+    try:
+        with make_session_factory(engine)() as s:
+            return create_tenant(s, name)[1]
+    finally:
+        engine.dispose()
+
+
+def wait_for(post, request_id: str, seconds: float = 120) -> bytes:
+    """Long-poll a request until it finished; its result body (failing on an error)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert time.monotonic() < deadline, f"{request_id} did not finish"
+        response = post("retrieve_future", json={"request_id": request_id})
+        assert response.status_code == 200, response.text
+        if response.headers["content-type"].startswith("application/json"):
+            body = response.json()
+            assert "error" not in body, body
+            if body.get("type") == "try_again":
+                continue
+        return response.content

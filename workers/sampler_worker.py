@@ -1,0 +1,79 @@
+"""A sampler worker as a Celery worker: one process per device, one multi-LoRA vLLM engine, its own queue.
+
+    LORAPLEX_BASE_MODEL=tiny LORAPLEX_DATA_DIR=/shared/loraplex LORAPLEX_REDIS_URL=redis://host:6379/0 \\
+        celery -A workers.sampler_worker worker --pool solo -Q sampler.s1 -n s1@%h
+
+The scheduler's RemoteSamplerEngine sends each sample job as a task naming a Redis key. The task
+only hands the job to the engine and returns, so the solo pool takes the next one at once and the
+engine batches every job in flight. Each outcome goes back through Redis: stored under the
+request's outcome key, its request id pushed onto the base model's done list. Snapshot folders are read from
+the shared data dir. The worker registers itself (base model, queue, samples in flight) and
+beats like a trainer worker; a dead one's jobs are sent to another sampler by the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+from celery import signals
+
+from service.settings import Settings
+from workers.celery_app import (
+    RESULT_TTL_SECONDS, SAMPLE_TASK, make_app, sample_done_key, sample_outcome_key, sampler_key, start_heartbeat,
+    worker_identity,
+)
+
+settings = Settings()
+app = make_app(settings.redis_url)
+_state: dict = {}
+
+
+def _redis():
+    import redis
+
+    return redis.Redis.from_url(settings.redis_url)
+
+
+@signals.worker_ready.connect
+def _start(sender=None, **_) -> None:
+    """Start the engine (it loads in the background and queues jobs meanwhile), register, beat."""
+    from workers.models.registry import model_info
+    from workers.sampler.engine import SamplerConfig, SamplerEngine
+
+    info = model_info(settings.base_model)
+    engine = SamplerEngine(SamplerConfig.from_settings(settings, info)).start()
+    worker_id, queues = worker_identity(sender)
+    _state.update(engine=engine, worker_id=worker_id, redis=_redis(), done_key=sample_done_key(info.name))
+    start_heartbeat(_redis(), sampler_key(worker_id), lambda: {
+        "worker_id": worker_id, "base_model": info.name, "queues": queues, "pending": engine.pending,
+        "ready": engine.ready.is_set(), "failed": None if engine.failed is None else str(engine.failed)})
+
+
+@signals.worker_shutdown.connect
+def _stop(**_) -> None:
+    if "engine" in _state:
+        _state["engine"].close()
+
+
+def _done(request_id: str, outcome) -> None:
+    """Engine thread: the outcome (SampleResult or EngineError) back to the scheduler."""
+    client = _state["redis"]
+    client.set(sample_outcome_key(request_id), pickle.dumps(outcome), ex=RESULT_TTL_SECONDS)
+    client.rpush(_state["done_key"], json.dumps({"request_id": request_id, "worker_id": _state["worker_id"]}))
+
+
+@app.task(name=SAMPLE_TASK)
+def sample(job_key: str) -> None:
+    from workers.sampler.jobs import SampleJob
+    from workers.trainer.errors import EngineError
+
+    raw = _state["redis"].get(job_key)
+    if raw is None:
+        return  # expired: the scheduler gave up on it long ago
+    job = SampleJob.from_json(raw)
+    engine = _state["engine"]
+    if engine.failed is not None:
+        _done(job.request_id, EngineError(f"the sampler engine failed to start: {engine.failed}"))
+        return
+    engine.submit(job, _done)
