@@ -12,7 +12,6 @@ dir) and the distributed one (LORAPLEX_DATABASE_URL=postgresql+psycopg://...) al
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -239,7 +238,9 @@ def checkpoints_export(tinker_path: str, dest: Path) -> None:
 def _delete(s: Session, row: Checkpoint) -> None:
     from api.paths import checkpoint_root
 
-    shutil.rmtree(checkpoint_root(row.storage_path, row.kind), ignore_errors=True)
+    from workers import store
+
+    store.delete(checkpoint_root(row.storage_path, row.kind))
     s.delete(row)
 
 

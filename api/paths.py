@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
-
 from fastapi import HTTPException
+
+from workers import store
 
 CHECKPOINT_KINDS = {"weights": "training_state", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -47,15 +47,16 @@ class TinkerPath:
         return cls(parts[0], parts[1], checkpoint_name(parts[2], field))
 
 
-def storage_path(checkpoint_dir: Path, tenant_id: str, path: TinkerPath) -> Path:
-    return checkpoint_dir / tenant_id / path.run_id / path.kind / path.name
+def storage_path(checkpoint_dir: str, tenant_id: str, path: TinkerPath) -> str:
+    """Where a checkpoint's files go: a location in the checkpoint store (workers/store.py)."""
+    return store.join(checkpoint_dir, tenant_id, path.run_id, path.kind, path.name)
 
 
-def snapshot_folder(checkpoint_folder: Path, seq_id: int) -> Path:
+def snapshot_folder(checkpoint_folder: str, seq_id: int) -> str:
     """One version of a sampler checkpoint: <checkpoint folder>/seq-<the save's seq_id>."""
-    return checkpoint_folder / f"seq-{seq_id}"
+    return store.join(checkpoint_folder, f"seq-{seq_id}")
 
 
-def checkpoint_root(storage_path: str, kind: str) -> Path:
+def checkpoint_root(storage_path: str, kind: str) -> str:
     """The folder holding every file of a checkpoint (all versions, for sampler weights)."""
-    return Path(storage_path).parent if kind == "sampler" else Path(storage_path)
+    return store.parent(storage_path) if kind == "sampler" else storage_path

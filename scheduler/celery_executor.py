@@ -29,6 +29,7 @@ from pathlib import Path
 from scheduler.executor import Job, Outcome
 from scheduler.planner import Cycle
 from workers.celery_app import EVICT_TASK, RESULT_TTL_SECONDS, TASK, live_registrations, make_app, worker_key
+from workers import store
 from workers.trainer.checkpoints import read_manifest
 
 PLACEMENT = "loraplex:placement"  # Redis hash: model id -> worker id
@@ -39,13 +40,13 @@ class WorkerLost(RuntimeError):
 
 
 class CeleryExecutor:
-    def __init__(self, redis_url: str, base_model: str, live_dir: Path, wait_for_worker_seconds: float = 120) -> None:
+    def __init__(self, redis_url: str, base_model: str, live_dir: str | Path, wait_for_worker_seconds: float = 120) -> None:
         import redis
 
         self.redis = redis.Redis.from_url(redis_url, decode_responses=False)
         self.app = make_app(redis_url)
         self.base_model = base_model
-        self.live_dir = Path(live_dir)
+        self.live_dir = str(live_dir)
         self.wait_for_worker_seconds = wait_for_worker_seconds
 
     engines_restart_with_scheduler = False  # workers keep their state when the scheduler restarts
@@ -111,7 +112,7 @@ class CeleryExecutor:
     # --- the executor interface ------------------------------------------------------------------
 
     def durable_seq(self, model_id: str) -> int | None:
-        manifest = read_manifest(self.live_dir / model_id)  # the shared store: no worker needed
+        manifest = read_manifest(store.join(self.live_dir, model_id))  # the shared store: no worker needed
         return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:

@@ -5,7 +5,8 @@ this process (embedded mode); the distributed mode sends the same cycle to a Cel
 Payloads are the bodies the API accepted: protobuf for forward/backward, and for the other
 operations a JSON body the API already validated and resolved (checkpoint paths, LoRA config).
 
-Durability rule: an adapter's full training state is written to `live_dir` after create_model,
+Durability rule: an adapter's full training state is written to `live_dir` (a folder of the
+checkpoint store: a local path or an fsspec URL, workers/store.py) after create_model,
 load_weights and every optim_step, before the outcome is returned (so before the future
 resolves). After a restart an adapter is reloaded from there, and the forward_backward requests
 it had finished since (their gradients were only in memory) are replayed by the scheduler.
@@ -29,6 +30,7 @@ from scheduler.ordering import QueuedRequest
 from scheduler.planner import Cycle
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers import store
 from workers.trainer.checkpoints import read_manifest
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.errors import EngineError
@@ -74,18 +76,14 @@ def engine_input(job: Job) -> ForwardBackwardInput:
     )
 
 
-def _folder_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 class InProcessExecutor:
     # The executor interface the scheduler uses: run_cycle, durable_seq, place, and this flag
     # (ProcessExecutor and CeleryExecutor have the same).
     engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
 
-    def __init__(self, engine: TrainerEngine, live_dir: Path, max_resident: int = 0) -> None:
+    def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0) -> None:
         self.engine = engine
-        self.live_dir = Path(live_dir)
+        self.live_dir = str(live_dir)
         self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
 
@@ -95,8 +93,8 @@ class InProcessExecutor:
 
     # --- durability ------------------------------------------------------------------------------
 
-    def _live_path(self, model_id: str) -> Path:
-        return self.live_dir / model_id
+    def _live_path(self, model_id: str) -> str:
+        return store.join(self.live_dir, model_id)
 
     def _persist(self, model_id: str, seq_id: int) -> None:
         self.engine.save_state(model_id, self._live_path(model_id), extra={"seq_id": seq_id})
@@ -190,13 +188,13 @@ class InProcessExecutor:
             self._persist(model_id, job.request.seq_id)
             return Outcome.json({"path": body["tinker_path"], "model_id": model_id, "type": "load_weights"})
         if kind in ("save_weights", "save_weights_for_sampler"):
-            path = Path(body["storage_path"])
+            location = body["storage_path"]
             if kind == "save_weights":
-                self.engine.save_state(model_id, path)
+                self.engine.save_state(model_id, location)
             else:
-                self.engine.save_sampler_weights(model_id, path)
+                self.engine.save_sampler_weights(model_id, location)
             checkpoint = {k: body[k] for k in ("kind", "name", "tinker_path", "ttl_seconds")}
-            checkpoint.update(storage_path=str(path), size_bytes=_folder_size(path))
+            checkpoint.update(storage_path=location, size_bytes=store.size(location))
             if body.get("sampling_session_id"):  # ephemeral snapshot for save_weights_and_get_sampling_client
                 result = {"sampling_session_id": body["sampling_session_id"], "type": kind}
             else:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int) -> None:
     from workers.trainer.engine import TrainerEngine
 
-    executor = InProcessExecutor(TrainerEngine(model_path, max_rank=max_rank), Path(live_dir), max_resident)
+    executor = InProcessExecutor(TrainerEngine(model_path, max_rank=max_rank), live_dir, max_resident)
     conn.send(("ready", None))
     while True:
         try:
@@ -42,7 +42,7 @@ def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: in
 class ProcessExecutor:
     engines_restart_with_scheduler = True  # the child ends with this process
 
-    def __init__(self, model_path: Path, max_rank: int, live_dir: Path, start_timeout: float = 300,
+    def __init__(self, model_path: Path, max_rank: int, live_dir: str | Path, start_timeout: float = 300,
                  max_resident: int = 0) -> None:
         self._args = (str(model_path), max_rank, str(live_dir), max_resident)
         self._start_timeout = start_timeout

@@ -60,7 +60,7 @@ class SchedulerProcess:
         client = redis.Redis.from_url(settings.redis_url)
         info = model_info(settings.base_model)
         publisher = FinishedPublisher(client)
-        executor = CeleryExecutor(settings.redis_url, info.name, settings.data_dir / "live")
+        executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
         self.scheduler = SchedulerService(self.sessions, executor, settings.cycle_token_budget, publisher,
                                           settings.cycle_gather_seconds)
         self.sampling = None

@@ -70,7 +70,7 @@ def build(settings: Settings) -> EmbeddedServer:
     upgrade_to_head(url)
     sessions = make_session_factory(make_engine(url))
     info = model_info(settings.base_model)
-    live_dir = settings.data_dir / "live"
+    live_dir = settings.live_dir
     if settings.executor == "celery":  # trainer workers elsewhere; live_dir must be on a shared store
         from scheduler.celery_executor import CeleryExecutor
 

@@ -8,11 +8,16 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from workers import store
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_")
 
     data_dir: Path = Path("data")
+    # Checkpoints, sampler snapshots and adapter state: a path or an fsspec URL every process
+    # reaches (workers/store.py; e.g. s3://bucket/loraplex with FSSPEC_S3_* options). Empty: data_dir.
+    store_url: str = ""
     database_url: str = ""  # empty: SQLite under data_dir
     base_model: str = "tiny"  # a registry name (see workers/models/registry.py) or a local HF folder
     host: str = "127.0.0.1"
@@ -50,5 +55,15 @@ class Settings(BaseSettings):
         return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.data_dir / "checkpoints"
+    def store_root(self) -> str:
+        return self.store_url or str(self.data_dir)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where users' checkpoints go (a store location)."""
+        return store.join(self.store_root, "checkpoints")
+
+    @property
+    def live_dir(self) -> str:
+        """Where each adapter's durable training state goes (a store location)."""
+        return store.join(self.store_root, "live")

@@ -1,7 +1,12 @@
 """Shared fixtures: base models are built once per machine into the registry cache; a module
-that defines a `server` fixture (an embedded ServerThread) gets `api_key` and `service_client`."""
+that defines a `server` fixture (an embedded ServerThread) gets `api_key` and `service_client`;
+`webdav_store` makes locations on a real WebDAV server, the remote checkpoint store of the tests."""
 
 import os
+import subprocess
+import sys
+import time
+import uuid
 
 import pytest
 import tinker
@@ -13,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workers.models.registry import resolve_model
+
+WEBDAV_SERVER = "import sys; from wsgidav.server.server_cli import run; sys.argv[0] = 'wsgidav'; sys.exit(run())"
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +36,32 @@ def api_key(server):
 @pytest.fixture(scope="module")
 def service_client(server, api_key):
     return tinker.ServiceClient(base_url=server.base_url, api_key=api_key)
+
+
+@pytest.fixture(scope="session")
+def webdav_store(tmp_path_factory):
+    """A function returning a fresh `webdav://` store location on a WsgiDAV server on loopback.
+    The server's address reaches fsspec here and in child processes through FSSPEC_WEBDAV_BASE_URL."""
+    import fsspec
+    import httpx
+
+    from service.embedded import free_port
+
+    port = free_port()
+    root = tmp_path_factory.mktemp("webdav")
+    server = subprocess.Popen([sys.executable, "-c", WEBDAV_SERVER, "--host", "127.0.0.1", "--port", str(port),
+                               "--root", str(root), "--auth", "anonymous", "-q"])
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "the WebDAV server did not start"
+        try:
+            httpx.request("PROPFIND", base_url, headers={"Depth": "0"}, timeout=1)
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    os.environ["FSSPEC_WEBDAV_BASE_URL"] = base_url
+    fsspec.config.conf.setdefault("webdav", {})["base_url"] = base_url
+    yield lambda: f"webdav://loraplex-{uuid.uuid4().hex[:8]}"
+    server.terminate()
+    server.wait(timeout=10)

@@ -43,7 +43,7 @@ def _start(sender=None, **_) -> None:
     from workers.trainer.engine import TrainerEngine
 
     info = model_info(settings.base_model)
-    executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), settings.data_dir / "live",
+    executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), settings.live_dir,
                                  settings.max_resident_adapters)
     _state["executor"] = executor
     worker_id, queues = worker_identity(sender)

@@ -19,6 +19,7 @@ from api.paths import TinkerPath, checkpoint_root
 from api.lookups import owned_model
 from db.models import Checkpoint, TrainingModel, utcnow
 from db.models import Request as RequestRow
+from workers import store
 from workers.trainer.checkpoints import CheckpointError, export_peft
 
 router = APIRouter()
@@ -152,7 +153,7 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 def delete_checkpoint(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
-    shutil.rmtree(checkpoint_root(row.storage_path, row.kind), ignore_errors=True)
+    store.delete(checkpoint_root(row.storage_path, row.kind))
     db.delete(row)
     db.commit()
     return {}

@@ -203,10 +203,10 @@ def _accept_save(request: Request, db: DB, tenant_id: str, body: SaveWeights, ki
     folder = storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)
     if dir_kind == "sampler_weights":  # a new folder per save: samplers of an earlier save keep theirs
         folder = snapshot_folder(folder, body.seq_id)
-    payload.update(name=name, tinker_path=str(path), storage_path=str(folder))
+    payload.update(name=name, tinker_path=str(path), storage_path=folder)
     if payload.get("sampling_session_id") and db.get(Sampler, payload["sampling_session_id"]) is None:
         db.add(Sampler(id=payload["sampling_session_id"], tenant_id=tenant_id, session_id=model.session_id,
-                       base_model=model.base_model, model_path=str(path), adapter_path=str(folder)))
+                       base_model=model.base_model, model_path=str(path), adapter_path=folder))
         db.flush()
     return submit(request, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
                   payload=json.dumps(payload).encode())

@@ -37,16 +37,16 @@ def celery_worker(module: str, name: str, queue: str, env: dict[str, str]) -> su
     return subprocess.Popen(command, cwd=ROOT, env=env | {"LORAPLEX_WORKER_ID": name})
 
 
-def start_worker(name: str, data_dir: Path, redis_url: str) -> subprocess.Popen:
-    """A trainer worker, once it is registered."""
-    process = celery_worker("workers.celery_worker", name, f"trainer.{name}", service_env(redis_url, data_dir))
+def start_worker(name: str, data_dir: Path, redis_url: str, **more: str) -> subprocess.Popen:
+    """A trainer worker, once it is registered (`more`: further environment variables)."""
+    process = celery_worker("workers.celery_worker", name, f"trainer.{name}", service_env(redis_url, data_dir, **more))
     _wait_registered(process, redis_url, worker_key(name))
     return process
 
 
-def start_sampler(name: str, data_dir: Path, redis_url: str) -> subprocess.Popen:
+def start_sampler(name: str, data_dir: Path, redis_url: str, **more: str) -> subprocess.Popen:
     """A sampler worker, once it is registered (its vLLM engine may still be loading: jobs wait)."""
-    env = service_env(redis_url, data_dir, LORAPLEX_SAMPLER_KV_CACHE_GIB="0.25")
+    env = service_env(redis_url, data_dir, LORAPLEX_SAMPLER_KV_CACHE_GIB="0.25", **more)
     process = celery_worker("workers.sampler_worker", name, f"sampler.{name}", env)
     _wait_registered(process, redis_url, sampler_key(name))
     return process

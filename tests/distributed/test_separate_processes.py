@@ -1,6 +1,6 @@
 """The full distributed deployment on loopback, every part its own process with the command an
 operator runs: an API replica, the scheduler, two Celery trainer workers and a Celery sampler worker
-(vLLM) or two, on Postgres and Redis with a shared data dir. The official SDK drives four tenants at once;
+(vLLM) or two, on Postgres and Redis, with the checkpoint store on a WebDAV server. The official SDK drives four tenants at once;
 a sampler worker is killed while it samples; then the API and the scheduler are restarted with
 requests accepted and waiting."""
 
@@ -26,26 +26,33 @@ from tests.distributed.processes import (
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
+from workers import store
 from workers.celery_app import sampler_key
+from workers.trainer.checkpoints import read_manifest
 
 REDIS_URL = "redis://127.0.0.1:6379/6"
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(tmp_path_factory, webdav_store):
     redis.Redis.from_url(REDIS_URL).flushdb()
     data_dir = tmp_path_factory.mktemp("shared")
     pg_name = postgres_database()
     database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}"
     port = free_port()
-    env = service_env(REDIS_URL, data_dir, LORAPLEX_DATABASE_URL=database_url, LORAPLEX_LONG_POLL_SECONDS="5")
-    processes = {"w1": start_worker("w1", data_dir, REDIS_URL), "w2": start_worker("w2", data_dir, REDIS_URL),
-                 "s1": start_sampler("s1", data_dir, REDIS_URL), "s2": start_sampler("s2", data_dir, REDIS_URL),
+    store_url = webdav_store()  # checkpoints, snapshots and adapter state on a WebDAV server
+    env = service_env(REDIS_URL, data_dir, LORAPLEX_DATABASE_URL=database_url, LORAPLEX_LONG_POLL_SECONDS="5",
+                      LORAPLEX_STORE_URL=store_url)
+    worker_env = {"LORAPLEX_STORE_URL": store_url}
+    processes = {"w1": start_worker("w1", data_dir, REDIS_URL, **worker_env),
+                 "w2": start_worker("w2", data_dir, REDIS_URL, **worker_env),
+                 "s1": start_sampler("s1", data_dir, REDIS_URL, **worker_env),
+                 "s2": start_sampler("s2", data_dir, REDIS_URL, **worker_env),
                  "scheduler": start_service("scheduler", env),
                  "api": start_service("api", env, "--port", str(port))}
     state = {"processes": processes, "env": env, "port": port, "base_url": f"http://127.0.0.1:{port}",
-             "database_url": database_url}
+             "database_url": database_url, "store_url": store_url, "data_dir": data_dir}
     wait_healthy(processes["api"], state["base_url"])
     yield state
     for process in processes.values():
@@ -87,12 +94,15 @@ def test_four_tenants_train_and_sample_at_once(deployment, tiny_model_path):
         assert len(sampled.tokens) == GREEDY.max_tokens and len(sampled.logprobs) == len(sampled.tokens)
     placement = redis.Redis.from_url(REDIS_URL).hgetall(PLACEMENT)
     assert {placement[model_id.encode()] for model_id, *_ in results} == {b"w1", b"w2"}
+    for model_id, *_ in results:  # the adapters' state is on the remote store, nothing on local disk
+        assert read_manifest(store.join(deployment["store_url"], "live", model_id)) is not None
+    assert not any((deployment["data_dir"] / folder).exists() for folder in ("live", "checkpoints"))
 
 
 def test_a_killed_sampler_workers_samples_finish_on_another(deployment):
     """A sample changes no state: when its worker dies, the scheduler sends it to a live one."""
     key = create_tenant_key(deployment["database_url"], "sampler-loss")
-    sampler = tinker.ServiceClient(base_url=deployment["base_url"], api_key=key).create_sampling_client(base_model="tiny")
+    sampler = tinker.ServiceClient(base_url=deployment["base_url"], api_key=key).create_sampling_client(base_model="tiny").result()
     long = types.SamplingParams(max_tokens=1500, temperature=1.0, seed=7, stop=[])
     future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 4, long)
     client = redis.Redis.from_url(REDIS_URL)
@@ -106,7 +116,7 @@ def test_a_killed_sampler_workers_samples_finish_on_another(deployment):
     victim = deployment["processes"][busy[0]]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    sequences = future.result().sequences
+    sequences = future.result(timeout=120).sequences
     assert [len(s.tokens) for s in sequences] == [1500] * 4
 
 

@@ -37,11 +37,13 @@ def server(request, tmp_path_factory):
     if request.param == "postgres":
         pg_name = postgres_database()
         database_url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{pg_name}"
-    # SQLite runs the engine in-process, Postgres in a child process: both executors get covered.
+    # SQLite runs the engine in-process on a local store; Postgres runs it in a child process on
+    # a remote (WebDAV) store: both executors and both kinds of store get covered.
     # No sampler here (vLLM allows one engine per process): tests/service/test_sampling.py has its own.
+    store_url = request.getfixturevalue("webdav_store")() if request.param == "postgres" else ""
     settings = Settings(data_dir=data_dir, database_url=database_url, port=free_port(), base_model="tiny",
                         cycle_gather_seconds=0.3, long_poll_seconds=5, engine_process=request.param == "postgres",
-                        sampler_enabled=False)
+                        sampler_enabled=False, store_url=store_url)
     running = ServerThread(settings)
     yield running
     running.stop()

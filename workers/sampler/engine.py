@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from loraplex.wire.codec import SampledSequenceWire
+from workers import store
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
 from workers.trainer.errors import EngineError, InvalidInputError
 
@@ -114,7 +115,8 @@ class SamplerEngine:
         self._callbacks: dict[str, tuple[SampleJob, Callback]] = {}
         self._pending = 0  # submitted and not yet finished
         self._pending_lock = threading.Lock()
-        self._lora_ids: dict[str, int] = {}
+        self._lora_ids: dict[str, int] = {}  # snapshot location -> vLLM LoRA id
+        self._lora_folders: dict[str, str] = {}  # snapshot location -> the local folder vLLM loads
         self._engine = None
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
 
@@ -186,22 +188,26 @@ class SamplerEngine:
         except Exception:
             log.exception("sample callback failed for %s", request_id)
 
-    def _lora_request(self, path: str):
+    def _lora_request(self, location: str):
+        """The vLLM LoRA of a snapshot (a store location, workers/store.py), loaded on first use
+        from a local folder (a remote store's snapshot is downloaded once)."""
         from vllm.lora.request import LoRARequest
 
-        lora_id = self._lora_ids.get(path)
-        if lora_id is None:
-            lora_id = self._lora_ids[path] = len(self._lora_ids) + 1
-            request = LoRARequest(f"snapshot-{lora_id}", lora_id, path)
-            self._engine.add_lora(request)  # load now: a broken folder fails this job, not the batch
-            return request
-        return LoRARequest(f"snapshot-{lora_id}", lora_id, path)
+        lora_id = self._lora_ids.get(location)
+        if lora_id is not None:
+            return LoRARequest(f"snapshot-{lora_id}", lora_id, self._lora_folders[location])
+        folder = store.local_folder(location)
+        if folder is None:
+            raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({location})")
+        lora_id = self._lora_ids[location] = len(self._lora_ids) + 1
+        self._lora_folders[location] = str(folder)
+        request = LoRARequest(f"snapshot-{lora_id}", lora_id, str(folder))
+        self._engine.add_lora(request)  # load now: a broken folder fails this job, not the batch
+        return request
 
     def _add(self, job: SampleJob, on_done: Callback) -> None:
         self._callbacks[job.request_id] = (job, on_done)
         try:
-            if job.adapter_path is not None and not Path(job.adapter_path).is_dir():
-                raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({job.adapter_path})")
             lora = self._lora_request(job.adapter_path) if job.adapter_path else None
             self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
                                      vllm_sampling_params(job), lora_request=lora)
@@ -210,6 +216,7 @@ class SamplerEngine:
         except Exception as e:  # vLLM rejected the request or the adapter: this job fails alone
             log.warning("sample %s rejected: %s", job.request_id, e)
             self._lora_ids.pop(job.adapter_path or "", None)
+            self._lora_folders.pop(job.adapter_path or "", None)
             self._finish(job.request_id, EngineError(f"sampling failed: {e}"))
 
     def _run(self) -> None:

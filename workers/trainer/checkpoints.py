@@ -1,8 +1,9 @@
 """Adapter checkpoints: PEFT folders for samplers, full training state for resuming.
 
-Both are folders written atomically: everything goes into a temporary sibling folder that is
-renamed into place only when complete. A training state carries the SHA-256 of its tensors,
-verified on load, so a truncated or altered checkpoint is refused instead of trained on.
+Both are folders written atomically: everything goes into a temporary folder that becomes the
+checkpoint only when complete (workers/store.py: a rename on local disk, a new version on a remote
+store). Locations are local paths or fsspec URLs. A training state carries the SHA-256 of its
+tensors, verified on load, so a truncated or altered checkpoint is refused instead of trained on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from workers import store
 from workers.trainer.adapters import Adapter, LoraConfig, LoraWeights
 from workers.trainer.errors import EngineError, InvalidInputError
 
@@ -68,7 +70,7 @@ def _sha256(path: Path) -> str:
 
 def save_peft_adapter(
     adapter: Adapter, path: str | Path, base_model_path: str | Path, metadata: dict | None = None
-) -> Path:
+) -> str | Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is;
     `metadata` goes to `loraplex.json` beside them (e.g. the policy version the snapshot is)."""
     from peft import LoraConfig as PeftLoraConfig
@@ -89,19 +91,19 @@ def save_peft_adapter(
         prefix = f"base_model.model.{path_in_model}"
         tensors[f"{prefix}.lora_A.weight"] = w.lora_a.detach().cpu().contiguous()
         tensors[f"{prefix}.lora_B.weight"] = w.lora_b.detach().cpu().contiguous()
-    with atomic_folder(path) as tmp:
+    with store.writing(path) as tmp:
         peft_config.save_pretrained(tmp)
         save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
         if metadata is not None:
             (tmp / SNAPSHOT_METADATA).write_text(json.dumps(metadata))
-    return Path(path)
+    return path
 
 
 def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
     """Write a training-state checkpoint's weights as a PEFT folder (what save_peft_adapter writes)."""
     from peft import LoraConfig as PeftLoraConfig
 
-    manifest, tensors = _read_verified(Path(state))
+    manifest, tensors = _read_verified(state)
     config = LoraConfig(**manifest["lora_config"])
     peft_config = PeftLoraConfig(
         r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=list(config.target_modules()),
@@ -120,29 +122,27 @@ def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path:
 
 
 def export_peft(checkpoint: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
-    """Any checkpoint as a PEFT folder at `dest`: a training state is converted, a sampler
-    snapshot (already PEFT) copied."""
-    if (Path(checkpoint) / MANIFEST).is_file():
-        return export_peft_from_state(checkpoint, dest, base_model_path)
-    if not (Path(checkpoint) / PEFT_WEIGHTS).is_file():
+    """Any checkpoint as a PEFT folder at the local path `dest`: a training state is converted, a
+    sampler snapshot (already PEFT) copied."""
+    folder = store.local_folder(checkpoint)
+    if folder is not None and (folder / MANIFEST).is_file():
+        return export_peft_from_state(folder, dest, base_model_path)
+    if folder is None or not (folder / PEFT_WEIGHTS).is_file():
         raise CheckpointError(f"{checkpoint} is neither a training state nor a PEFT folder")
-    shutil.copytree(checkpoint, dest)
+    shutil.copytree(folder, dest)
     return Path(dest)
 
 
 def read_snapshot_metadata(path: str | Path) -> dict | None:
     """The `loraplex.json` of a sampler snapshot folder, or None if the folder or file is missing."""
-    try:
-        return json.loads((Path(path) / SNAPSHOT_METADATA).read_text())
-    except FileNotFoundError:
-        return None
+    return store.read_json(path, SNAPSHOT_METADATA)
 
 
 # --- training state ----------------------------------------------------------------------------
 
 
 def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None = None, *,
-                        with_gradients: bool = False) -> Path:
+                        with_gradients: bool = False) -> str | Path:
     """Save weights, Adam moments and step; `extra` is kept in the manifest (e.g. the seq_id it
     reflects). `with_gradients` adds the gradients accumulated since the last optim_step: the
     adapter's full state, for moving it to another worker."""
@@ -155,7 +155,7 @@ def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None =
         if state:
             tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
             tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
-    with atomic_folder(path) as tmp:
+    with store.writing(path) as tmp:
         save_file(tensors, tmp / STATE_TENSORS)
         manifest = {
             "format": STATE_FORMAT,
@@ -168,18 +168,18 @@ def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None =
             "extra": extra or {},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return Path(path)
+    return path
 
 
 def read_manifest(path: str | Path) -> dict | None:
     """The manifest of a training-state checkpoint, or None if there is none (not verified)."""
-    try:
-        return json.loads((Path(path) / MANIFEST).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+    return store.read_json(path, MANIFEST)
 
 
-def _read_verified(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_verified(location: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = store.local_folder(location)
+    if path is None:
+        raise CheckpointError(f"{location}: no checkpoint there")
     manifest_path, tensors_path = path / MANIFEST, path / STATE_TENSORS
     if not manifest_path.is_file() or not tensors_path.is_file():
         raise CheckpointError(f"{path} is not a training-state checkpoint (missing {MANIFEST} or {STATE_TENSORS})")
@@ -203,7 +203,6 @@ def load_training_state(
     *,
     with_optimizer: bool = True,
 ) -> Adapter:
-    path = Path(path)
     manifest, tensors = _read_verified(path)
     config = LoraConfig(**manifest["lora_config"])
     try:

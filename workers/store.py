@@ -1,0 +1,135 @@
+"""Where checkpoints, sampler snapshots and adapter state live: a local path (the default: the
+data dir) or an fsspec URL that every process reaches (`s3://bucket/prefix`, `webdav://path`, ...).
+A remote filesystem's options come from fsspec's own configuration, e.g. the environment
+variables FSSPEC_S3_ENDPOINT_URL or FSSPEC_WEBDAV_BASE_URL, and its package must be installed
+(s3fs, gcsfs, webdav4, ...).
+
+Engines and vLLM read and write local folders, so the store moves whole folders:
+- `writing(location)` yields an empty local folder to fill and publishes it when the block ends.
+  On a local store it is renamed into place (atomic). On a remote store it is uploaded as a new
+  version, `<location>/<version>/...`, then `<location>/CURRENT` is switched to it (one small
+  write: atomic on object stores and WebDAV) and the old version is removed, so a reader never
+  sees half a folder, and a crash mid-upload leaves the previous version current.
+- `local_folder(location)` gives a local folder to read: the folder itself on a local store; on a
+  remote one, a download of the current version into a cache (LORAPLEX_STORE_CACHE), reused while
+  that version is current (a version never changes once written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import fsspec
+
+CURRENT = "CURRENT"
+CACHE_DIR = Path(os.environ.get("LORAPLEX_STORE_CACHE", Path(tempfile.gettempdir()) / "loraplex-store-cache"))
+
+
+def is_remote(location: str | Path) -> bool:
+    return "://" in str(location) and not str(location).startswith("file://")
+
+
+def join(location: str | Path, *parts: str) -> str:
+    if is_remote(location):
+        return "/".join([str(location).rstrip("/"), *parts])
+    return str(Path(location, *parts))
+
+
+def parent(location: str | Path) -> str:
+    return str(location).rstrip("/").rsplit("/", 1)[0] if is_remote(location) else str(Path(location).parent)
+
+
+def _fs(location: str):
+    return fsspec.core.url_to_fs(location)
+
+
+def _current_version(fs, path: str) -> str | None:
+    try:
+        return fs.cat_file(f"{path}/{CURRENT}").decode().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+@contextmanager
+def writing(location: str | Path) -> Iterator[Path]:
+    """An empty local folder; when the block ends without error, it becomes `location`."""
+    from workers.trainer.checkpoints import atomic_folder
+
+    if not is_remote(location):
+        with atomic_folder(location) as folder:
+            yield folder
+        return
+    staging = Path(tempfile.mkdtemp(prefix="loraplex-upload-"))
+    try:
+        yield staging
+        fs, path = _fs(str(location))
+        old, version = _current_version(fs, path), uuid.uuid4().hex
+        fs.makedirs(f"{path}/{version}", exist_ok=True)
+        fs.put(f"{staging}/", f"{path}/{version}/", recursive=True)
+        fs.pipe_file(f"{path}/{CURRENT}", version.encode())
+        if old is not None:
+            fs.rm(f"{path}/{old}", recursive=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def local_folder(location: str | Path) -> Path | None:
+    """A local folder holding what is at `location` (None if nothing is)."""
+    if not is_remote(location):
+        return Path(location) if Path(location).is_dir() else None
+    fs, path = _fs(str(location))
+    version = _current_version(fs, path)
+    if version is None:
+        return None
+    cached = CACHE_DIR / hashlib.sha256(str(location).encode()).hexdigest()[:24] / version
+    if not cached.is_dir():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        download = Path(tempfile.mkdtemp(prefix=".download-", dir=cached.parent))
+        try:
+            fs.get(f"{path}/{version}/", f"{download}/", recursive=True)
+            os.replace(download, cached)  # another process may have won the race: either copy is right
+        except OSError:
+            if not cached.is_dir():
+                raise
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
+    return cached
+
+
+def read_json(location: str | Path, name: str) -> dict | None:
+    """The JSON file `name` of the folder at `location`, or None (missing or not JSON)."""
+    try:
+        if not is_remote(location):
+            return json.loads(Path(location, name).read_text())
+        fs, path = _fs(str(location))
+        version = _current_version(fs, path)
+        return None if version is None else json.loads(fs.cat_file(f"{path}/{version}/{name}"))
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+def size(location: str | Path) -> int:
+    if not is_remote(location):
+        return sum(f.stat().st_size for f in Path(location).rglob("*") if f.is_file())
+    fs, path = _fs(str(location))
+    return int(fs.du(path))
+
+
+def delete(location: str | Path) -> None:
+    """Remove the folder at `location` and everything under it (nothing if it is gone)."""
+    if not is_remote(location):
+        shutil.rmtree(location, ignore_errors=True)
+        return
+    fs, path = _fs(str(location))
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
