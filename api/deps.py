@@ -29,6 +29,9 @@ def current_tenant(db: DB, x_api_key: Annotated[str | None, Header()] = None) ->
     )
     if tenant is None or tenant.disabled:
         raise HTTPException(401, "invalid, revoked or disabled API key")
+    # End the read transaction: its pooled connection goes back now, not when the request ends
+    # (a long-poll would hold it for up to 30 s; a few dozen of them exhausted the pool).
+    db.commit()
     return tenant
 
 

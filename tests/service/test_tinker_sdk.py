@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -105,3 +109,23 @@ def test_rest_checkpoint_lifecycle_and_sessions(server, service_client, api_key)
     assert rest.list_checkpoints(tc.model_id).result().checkpoints == []
     sessions = rest.list_sessions().result().sessions
     assert sessions and tc.model_id in rest.get_session(sessions[0]).result().training_run_ids
+
+
+def test_many_waiting_long_polls_do_not_starve_other_requests(server, api_key):
+    """Each long-poll holds no database connection while it waits: more of them than the
+    connection pool holds (15) still leave the server answering everyone else at once."""
+    post = lambda route, **kw: httpx.post(f"{server.base_url}/api/v1/{route}", headers={"X-API-Key": api_key},
+                                          timeout=30, **kw)
+    session = post("create_session", json={"tags": []}).json()["session_id"]
+    model = post("create_model", json={"session_id": session, "model_seq_id": 0, "base_model": "tiny",
+                                        "lora_config": {"rank": 4}}).json()["model_id"]
+    # seq 2 waits for a seq 1 that never comes: its long-polls wait the full long_poll_seconds
+    waiting = post("optim_step", json={"model_id": model, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    request_id = waiting.json()["request_id"]
+    with ThreadPoolExecutor(24) as pool:
+        polls = [pool.submit(post, "retrieve_future", json={"request_id": request_id}) for _ in range(24)]
+        time.sleep(1.0)  # all of them are waiting now
+        start = time.monotonic()
+        assert post("create_session", json={"tags": []}).status_code == 200
+        assert time.monotonic() - start < 3
+        assert all(p.result().json()["type"] == "try_again" for p in polls)
