@@ -1,0 +1,53 @@
+"""Every example runs for a couple of steps on `tiny` against a real embedded server (with its
+vLLM sampler), so they never rot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import loraplex
+from examples import rl_arithmetic, sft
+from tests.servers import running_server
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("examples")) as server:
+        yield server, loraplex.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
+
+
+def test_sft_runs_logs_and_plots(service, tmp_path):
+    summary = sft.run(service[1], "tiny", steps=2, batch_size=4, eval_every=1, results=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("held_out_loss" in r for r in rows)
+    assert summary["held_out_loss_end"] == rows[-1]["held_out_loss"]
+    assert (tmp_path / "sft.png").stat().st_size > 0
+
+
+def test_the_verifier_reads_the_last_number():
+    class Words:  # a tokenizer whose token ids are the characters
+        def decode(self, tokens, skip_special_tokens=True):
+            return "".join(map(chr, tokens))
+
+    problem = rl_arithmetic.Problem(3, 4)
+    assert rl_arithmetic.reward(Words(), list(map(ord, "3 + 4 = 7")), problem) == 1.0
+    assert rl_arithmetic.reward(Words(), list(map(ord, "The answer is 12.")), problem) == 0.0
+    assert rl_arithmetic.reward(Words(), list(map(ord, "seven")), problem) == 0.0
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_rl_runs_with_bounded_staleness(service, tmp_path, async_mode, monkeypatch):
+    # `tiny` never adds correctly: score by the first sampled token's parity instead, so that
+    # groups disagree and every part of the step (datums, loss, update, new snapshot) runs
+    monkeypatch.setattr(rl_arithmetic, "reward", lambda tokenizer, tokens, problem: float(tokens[0] % 2))
+    summary = rl_arithmetic.run(service[1], "tiny", steps=3, prompts_per_step=2, group_size=4, max_tokens=4,
+                                held_out=4, eval_every=3, async_mode=async_mode, results=tmp_path, temperature=1.5)
+    rows = [json.loads(line) for line in (tmp_path / "rl.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["datums"] > 0 and r["logprob_gap"] is not None for r in rows[1:])
+    assert max(r["staleness"] for r in rows[1:]) == (1 if async_mode else 0)
+    if not async_mode:  # trained on the snapshot's own samples: sampler and trainer agree closely
+        assert max(r["logprob_gap"] for r in rows[1:]) < 1e-3
+    assert 0 <= summary["held_out_accuracy_end"] <= 1 and (tmp_path / "rl.png").stat().st_size > 0
