@@ -8,7 +8,7 @@ import json
 import pytest
 
 import loraplex
-from examples import rl_arithmetic, sft
+from examples import driver, rl_arithmetic, sft
 from tests.servers import running_server
 
 
@@ -51,3 +51,16 @@ def test_rl_runs_with_bounded_staleness(service, tmp_path, async_mode, monkeypat
     if not async_mode:  # trained on the snapshot's own samples: sampler and trainer agree closely
         assert max(r["logprob_gap"] for r in rows[1:]) < 1e-3
     assert 0 <= summary["held_out_accuracy_end"] <= 1 and (tmp_path / "rl.png").stat().st_size > 0
+
+
+def test_the_driver_runs_tenants_at_once_then_one_by_one(service, tmp_path):
+    server = service[0]
+    settings = {"sft": {"steps": 1, "batch_size": 2, "eval_every": 1},
+                "rl": {"steps": 1, "prompts_per_step": 1, "group_size": 2, "max_tokens": 3, "held_out": 2}}
+    report = driver.compare(server.base_url, lambda name: server.new_tenant(name), "tiny", ["sft", "rl"], settings,
+                            results=tmp_path)
+    for mode in ("concurrent", "serial"):
+        assert [run["name"] for run in report[mode]["runs"]] == [f"sft-0-{mode}", f"rl-1-{mode}"]
+        assert all((tmp_path / f"{run['name']}.png").is_file() for run in report[mode]["runs"])
+    assert report["serial_over_concurrent"] > 0
+    assert "serial / concurrent" in driver.markdown(report, "command")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -153,9 +154,7 @@ class TrainingClient:
 
     def get_tokenizer(self):
         """The base model's tokenizer (needs transformers; the server names a local folder)."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.get_info()["model_data"]["tokenizer_id"])
+        return _load_tokenizer(self.get_info()["model_data"]["tokenizer_id"])
 
     # --- async twins: the same calls, awaitable from an event loop --------------------------------
 
@@ -184,3 +183,16 @@ class TrainingClient:
         import asyncio
 
         return await asyncio.to_thread(self.save_weights_and_get_sampling_client, name)
+
+
+_tokenizer_lock = threading.Lock()
+
+
+def _load_tokenizer(path: str):
+    # One at a time: importing transformers from several threads at once fails in its lazy
+    # module loader ("cannot import name 'AutoTokenizer'"), as concurrent notebook runs do.
+    # Each caller gets its own tokenizer: a fast tokenizer shared between threads can fail.
+    with _tokenizer_lock:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
