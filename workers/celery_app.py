@@ -78,6 +78,12 @@ def worker_identity(sender) -> tuple[str, list[str]]:
     return worker_id, [q.name for q in consumer.queues] if consumer else []
 
 
+def redis_client(redis_url: str):
+    import redis
+
+    return redis.Redis.from_url(redis_url)
+
+
 def make_app(redis_url: str) -> Celery:
     app = Celery("loraplex", broker=redis_url, backend=redis_url)
     app.conf.update(

@@ -21,18 +21,12 @@ from celery import signals
 
 from service.settings import Settings
 from workers.celery_app import (
-    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_app, start_heartbeat, worker_identity, worker_key,
+    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_app, redis_client, start_heartbeat, worker_identity, worker_key,
 )
 
 settings = Settings()
 app = make_app(settings.redis_url)
 _state: dict = {}
-
-
-def _redis():
-    import redis
-
-    return redis.Redis.from_url(settings.redis_url)
 
 
 @signals.worker_ready.connect
@@ -47,7 +41,7 @@ def _start(sender=None, **_) -> None:
                                  settings.max_resident_adapters)
     _state["executor"] = executor
     worker_id, queues = worker_identity(sender)
-    start_heartbeat(_redis(), worker_key(worker_id), lambda: {
+    start_heartbeat(redis_client(settings.redis_url), worker_key(worker_id), lambda: {
         "worker_id": worker_id, "base_model": info.name, "queues": queues, "adapters": sorted(executor.engine.adapters)})
 
 
@@ -62,7 +56,7 @@ def _reply(client, key: str, outcomes) -> str:
 @app.task(name=TASK)
 def run_cycle(cycle_key: str) -> str:
     """Run the cycle stored at `cycle_key`; the outcomes go to `<cycle_key>:outcomes`."""
-    client = _redis()
+    client = redis_client(settings.redis_url)
     cycle, jobs = pickle.loads(client.get(cycle_key))
     return _reply(client, cycle_key, _state["executor"].run_cycle(cycle, jobs))
 
@@ -70,7 +64,7 @@ def run_cycle(cycle_key: str) -> str:
 @app.task(name=EVICT_TASK)
 def evict(key: str) -> str:
     """Write the full state of the models listed at `key` to the shared store and drop them (they move)."""
-    client = _redis()
+    client = redis_client(settings.redis_url)
     for model_id in pickle.loads(client.get(key)):
         _state["executor"].evict(model_id)
     return _reply(client, key, {})

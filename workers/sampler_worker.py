@@ -20,19 +20,13 @@ from celery import signals
 
 from service.settings import Settings
 from workers.celery_app import (
-    RESULT_TTL_SECONDS, SAMPLE_TASK, make_app, sample_done_key, sample_outcome_key, sampler_key, start_heartbeat,
-    worker_identity,
+    RESULT_TTL_SECONDS, SAMPLE_TASK, make_app, redis_client, sample_done_key, sample_outcome_key, sampler_key,
+    start_heartbeat, worker_identity,
 )
 
 settings = Settings()
 app = make_app(settings.redis_url)
 _state: dict = {}
-
-
-def _redis():
-    import redis
-
-    return redis.Redis.from_url(settings.redis_url)
 
 
 @signals.worker_ready.connect
@@ -44,8 +38,8 @@ def _start(sender=None, **_) -> None:
     info = model_info(settings.base_model)
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info)).start()
     worker_id, queues = worker_identity(sender)
-    _state.update(engine=engine, worker_id=worker_id, redis=_redis(), done_key=sample_done_key(info.name))
-    start_heartbeat(_redis(), sampler_key(worker_id), lambda: {
+    _state.update(engine=engine, worker_id=worker_id, redis=redis_client(settings.redis_url), done_key=sample_done_key(info.name))
+    start_heartbeat(redis_client(settings.redis_url), sampler_key(worker_id), lambda: {
         "worker_id": worker_id, "base_model": info.name, "queues": queues, "pending": engine.pending,
         "ready": engine.ready.is_set(), "failed": None if engine.failed is None else str(engine.failed)})
 
