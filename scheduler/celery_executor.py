@@ -75,7 +75,7 @@ class CeleryExecutor:
         except WorkerLost:
             return set()  # run_cycle fails the cycle clearly
         placed = self.placement()
-        load = Counter({w: 0 for w in workers}) + Counter(w for w in placed.values() if w in workers)
+        load = Counter(w for w in placed.values() if w in workers)  # models per live worker
         lost = set()
         for model_id in sorted(model_ids):
             current = placed.get(model_id)
@@ -92,7 +92,7 @@ class CeleryExecutor:
                 continue
             placed[model_id] = least
             load[least] += 1
-            if current in load:
+            if current in workers:
                 load[current] -= 1
             self.redis.hset(PLACEMENT, model_id, least)
         return lost
