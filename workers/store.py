@@ -47,6 +47,25 @@ def parent(location: str | Path) -> str:
     return str(location).rstrip("/").rsplit("/", 1)[0] if is_remote(location) else str(Path(location).parent)
 
 
+@contextmanager
+def atomic_folder(dest: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder; on success it replaces `dest` in one rename."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield staging
+        if dest.exists():  # overwrite: move the old folder aside first (a dir rename cannot replace a non-empty dir)
+            trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, trash / "old")
+            os.replace(staging, dest)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def _fs(location: str):
     return fsspec.core.url_to_fs(location)
 
@@ -61,8 +80,6 @@ def _current_version(fs, path: str) -> str | None:
 @contextmanager
 def writing(location: str | Path) -> Iterator[Path]:
     """An empty local folder; when the block ends without error, it becomes `location`."""
-    from workers.trainer.checkpoints import atomic_folder
-
     if not is_remote(location):
         with atomic_folder(location) as folder:
             yield folder

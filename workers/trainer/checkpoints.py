@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -36,25 +32,6 @@ class CheckpointError(EngineError):
     """A checkpoint that is missing, corrupt, or does not fit this base model."""
 
     category = "user"
-
-
-@contextmanager
-def atomic_folder(dest: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder; on success it replaces `dest` in one rename."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        yield staging
-        if dest.exists():  # overwrite: move the old folder aside first (a dir rename cannot replace a non-empty dir)
-            trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.replace(dest, trash / "old")
-            os.replace(staging, dest)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, dest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -113,7 +90,7 @@ def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path:
     for name, tensor in tensors.items():
         if name.startswith("weight/"):  # weight/<module path>.lora_A -> base_model.model.<module path>.lora_A.weight
             weights[f"base_model.model.{name.removeprefix('weight/')}.weight"] = tensor
-    with atomic_folder(dest) as tmp:
+    with store.writing(dest) as tmp:
         peft_config.save_pretrained(tmp)
         save_file(weights, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
         (tmp / SNAPSHOT_METADATA).write_text(json.dumps({"policy_version": manifest["step"],
