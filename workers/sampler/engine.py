@@ -12,6 +12,7 @@ answers from the first second.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -115,8 +116,8 @@ class SamplerEngine:
         self._callbacks: dict[str, tuple[SampleJob, Callback]] = {}
         self._pending = 0  # submitted and not yet finished
         self._pending_lock = threading.Lock()
-        self._lora_ids: dict[str, int] = {}  # snapshot location -> vLLM LoRA id
-        self._lora_folders: dict[str, str] = {}  # snapshot location -> the local folder vLLM loads
+        self._loras: dict = {}  # snapshot location -> its vLLM LoRARequest (the local folder vLLM loaded)
+        self._next_lora_id = itertools.count(1)  # never reused: vLLM keys loaded adapters by id
         self._engine = None
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
 
@@ -193,16 +194,15 @@ class SamplerEngine:
         from a local folder (a remote store's snapshot is downloaded once)."""
         from vllm.lora.request import LoRARequest
 
-        lora_id = self._lora_ids.get(location)
-        if lora_id is not None:
-            return LoRARequest(f"snapshot-{lora_id}", lora_id, self._lora_folders[location])
+        if location in self._loras:
+            return self._loras[location]
         folder = store.local_folder(location)
         if folder is None:
             raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({location})")
-        lora_id = self._lora_ids[location] = len(self._lora_ids) + 1
-        self._lora_folders[location] = str(folder)
+        lora_id = next(self._next_lora_id)
         request = LoRARequest(f"snapshot-{lora_id}", lora_id, str(folder))
         self._engine.add_lora(request)  # load now: a broken folder fails this job, not the batch
+        self._loras[location] = request
         return request
 
     def _add(self, job: SampleJob, on_done: Callback) -> None:
@@ -215,8 +215,7 @@ class SamplerEngine:
             self._finish(job.request_id, e)
         except Exception as e:  # vLLM rejected the request or the adapter: this job fails alone
             log.warning("sample %s rejected: %s", job.request_id, e)
-            self._lora_ids.pop(job.adapter_path or "", None)
-            self._lora_folders.pop(job.adapter_path or "", None)
+            self._loras.pop(job.adapter_path or "", None)
             self._finish(job.request_id, EngineError(f"sampling failed: {e}"))
 
     def _run(self) -> None:
