@@ -70,7 +70,7 @@ class SchedulerProcess:
             self.sampling = SamplingDispatcher(self.sessions, RemoteSamplerEngine(settings.redis_url, info.name),
                                                publisher, settings.sampler_max_pending)
         self.inbox = InboxConsumer(client, info.name, self.scheduler, self.sampling, self.sessions)
-        self._beat = lambda: start_heartbeat(client, scheduler_key(info.name), lambda: {"base_model": info.name})
+        self.redis, self.base_model = client, info.name
 
     def start(self) -> None:
         # Unfinished requests come back from the database first; copies of them still in the
@@ -80,7 +80,7 @@ class SchedulerProcess:
             self.sampling.engine.start()
             self.sampling.recover()
         self.inbox.start()
-        self._beat()
+        start_heartbeat(self.redis, scheduler_key(self.base_model), lambda: {"base_model": self.base_model})
 
     def close(self) -> None:
         self.inbox.stop()

@@ -69,13 +69,17 @@ def start_heartbeat(client, key: str, record: Callable[[], dict]) -> None:
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
-def worker_identity(sender) -> tuple[str, list[str]]:
-    """(worker id, queue names) of the Celery worker that sent worker_ready."""
+def register_worker(client, sender, key: Callable[[str], str], base_model: str, status: Callable[[], dict]) -> str:
+    """Register the Celery worker that sent worker_ready under `key(worker id)` (its id, base model,
+    queues and `status()`), kept alive by heartbeats; its worker id."""
     import socket
 
     worker_id = os.environ.get("LORAPLEX_WORKER_ID") or getattr(sender, "hostname", None) or socket.gethostname()
     consumer = getattr(sender, "task_consumer", None)
-    return worker_id, [q.name for q in consumer.queues] if consumer else []
+    queues = [q.name for q in consumer.queues] if consumer else []
+    start_heartbeat(client, key(worker_id), lambda: {"worker_id": worker_id, "base_model": base_model, "queues": queues,
+                                                     **status()})
+    return worker_id
 
 
 def redis_client(redis_url: str):

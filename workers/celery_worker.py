@@ -21,11 +21,12 @@ from celery import signals
 
 from service.settings import Settings
 from workers.celery_app import (
-    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_app, redis_client, start_heartbeat, worker_identity, worker_key,
+    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_app, redis_client, register_worker, worker_key,
 )
 
 settings = Settings()
 app = make_app(settings.redis_url)
+client = redis_client(settings.redis_url)  # one client (and connection pool) for the process
 _state: dict = {}
 
 
@@ -40,12 +41,10 @@ def _start(sender=None, **_) -> None:
     executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), settings.live_dir,
                                  settings.max_resident_adapters)
     _state["executor"] = executor
-    worker_id, queues = worker_identity(sender)
-    start_heartbeat(redis_client(settings.redis_url), worker_key(worker_id), lambda: {
-        "worker_id": worker_id, "base_model": info.name, "queues": queues, "adapters": sorted(executor.engine.adapters)})
+    register_worker(client, sender, worker_key, info.name, lambda: {"adapters": sorted(executor.engine.adapters)})
 
 
-def _reply(client, key: str, outcomes) -> str:
+def _reply(key: str, outcomes) -> str:
     out_key = f"{key}:outcomes"
     client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)
     client.rpush(f"{key}:done", out_key)  # wakes the executor's blocking wait at once
@@ -56,15 +55,13 @@ def _reply(client, key: str, outcomes) -> str:
 @app.task(name=TASK)
 def run_cycle(cycle_key: str) -> str:
     """Run the cycle stored at `cycle_key`; the outcomes go to `<cycle_key>:outcomes`."""
-    client = redis_client(settings.redis_url)
     cycle, jobs = pickle.loads(client.get(cycle_key))
-    return _reply(client, cycle_key, _state["executor"].run_cycle(cycle, jobs))
+    return _reply(cycle_key, _state["executor"].run_cycle(cycle, jobs))
 
 
 @app.task(name=EVICT_TASK)
 def evict(key: str) -> str:
     """Write the full state of the models listed at `key` to the shared store and drop them (they move)."""
-    client = redis_client(settings.redis_url)
     for model_id in pickle.loads(client.get(key)):
         _state["executor"].evict(model_id)
-    return _reply(client, key, {})
+    return _reply(key, {})

@@ -20,12 +20,13 @@ from celery import signals
 
 from service.settings import Settings
 from workers.celery_app import (
-    RESULT_TTL_SECONDS, SAMPLE_TASK, make_app, redis_client, sample_done_key, sample_outcome_key, sampler_key,
-    start_heartbeat, worker_identity,
+    RESULT_TTL_SECONDS, SAMPLE_TASK, make_app, redis_client, register_worker, sample_done_key, sample_outcome_key,
+    sampler_key,
 )
 
 settings = Settings()
 app = make_app(settings.redis_url)
+client = redis_client(settings.redis_url)  # one client (and connection pool) for the process
 _state: dict = {}
 
 
@@ -37,11 +38,10 @@ def _start(sender=None, **_) -> None:
 
     info = model_info(settings.base_model)
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info)).start()
-    worker_id, queues = worker_identity(sender)
-    _state.update(engine=engine, worker_id=worker_id, redis=redis_client(settings.redis_url), done_key=sample_done_key(info.name))
-    start_heartbeat(redis_client(settings.redis_url), sampler_key(worker_id), lambda: {
-        "worker_id": worker_id, "base_model": info.name, "queues": queues, "pending": engine.pending,
-        "ready": engine.ready.is_set(), "failed": None if engine.failed is None else str(engine.failed)})
+    worker_id = register_worker(client, sender, sampler_key, info.name, lambda: {
+        "pending": engine.pending, "ready": engine.ready.is_set(),
+        "failed": None if engine.failed is None else str(engine.failed)})
+    _state.update(engine=engine, worker_id=worker_id, done_key=sample_done_key(info.name))
 
 
 @signals.worker_shutdown.connect
@@ -52,7 +52,6 @@ def _stop(**_) -> None:
 
 def _done(request_id: str, outcome) -> None:
     """Engine thread: the outcome (SampleResult or EngineError) back to the scheduler."""
-    client = _state["redis"]
     client.set(sample_outcome_key(request_id), pickle.dumps(outcome), ex=RESULT_TTL_SECONDS)
     client.rpush(_state["done_key"], json.dumps({"request_id": request_id, "worker_id": _state["worker_id"]}))
 
@@ -62,7 +61,7 @@ def sample(job_key: str) -> None:
     from workers.sampler.jobs import SampleJob
     from workers.trainer.errors import EngineError
 
-    raw = _state["redis"].get(job_key)
+    raw = client.get(job_key)
     if raw is None:
         return  # expired: the scheduler gave up on it long ago
     job = SampleJob.from_json(raw)
