@@ -88,8 +88,9 @@ class RemoteSamplerEngine:
             self._wakeup.wait(timeout=HEARTBEAT_SECONDS)
             self._wakeup.clear()
             try:
-                self._resend_from_dead_workers()
-                self._send_waiting()
+                live = live_registrations(self.redis, sampler_key("*"), self.base_model)  # one scan per round
+                self._resend_from_dead_workers(live)
+                self._send_waiting(live)
             except Exception:  # Redis away for a moment: jobs stay where they are
                 log.exception("sending sample jobs failed; retrying")
                 self._stop.wait(1.0)
@@ -104,11 +105,10 @@ class RemoteSamplerEngine:
                 log.exception("collecting sample outcomes failed; retrying")
                 self._stop.wait(1.0)
 
-    def _send_waiting(self) -> None:
-        workers = sorted(live_registrations(self.redis, sampler_key("*"), self.base_model).items())
-        if not workers:
+    def _send_waiting(self, live: dict[str, dict]) -> None:
+        if not live:
             return
-        queues = dict((worker_id, record["queues"][0]) for worker_id, record in workers)
+        queues = {worker_id: record["queues"][0] for worker_id, record in live.items()}
         while True:
             with self._lock:
                 if not self._waiting:
@@ -130,8 +130,7 @@ class RemoteSamplerEngine:
             return  # a second outcome of a resent job, or one sent before this scheduler started
         self._finish(dispatch, pickle.loads(raw))
 
-    def _resend_from_dead_workers(self) -> None:
-        live = live_registrations(self.redis, sampler_key("*"), self.base_model)
+    def _resend_from_dead_workers(self, live: dict[str, dict]) -> None:
         with self._lock:
             lost = [d for d in self._sent.values() if d.worker_id not in live]
             for dispatch in lost:
