@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.routes import futures, runs, sampling, service, sessions, training
 
@@ -23,6 +24,11 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.served_names = served_names(model_info.name)
     for module in (service, sessions, training, futures, sampling, runs):
         app.include_router(module.router, prefix="/api/v1")
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus_metrics() -> Response:
+        """This process's Prometheus metrics (scheduler/metrics.py): cycles, batching, sampler steps."""
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.middleware("http")
     async def limit_body_size(request: Request, call_next):

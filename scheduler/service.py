@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from datetime import timedelta
 
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
+from scheduler import metrics
 from scheduler.executor import Job, Outcome
 from scheduler.notify import Notifier
 from scheduler.ordering import QueuedRequest, ReorderBuffer
@@ -40,6 +41,16 @@ class CycleLog:
         if cycle.forward_backward:
             self.cycles.append([r.id for r in cycle.forward_backward])
             del self.cycles[: -self.keep]
+
+
+def observe(cycle: Cycle, outcomes: dict[str, Outcome]) -> None:
+    """A finished cycle in the Prometheus metrics."""
+    if cycle.forward_backward:
+        metrics.CYCLE_TOKENS.observe(sum(q.num_tokens for q in cycle.forward_backward))
+        metrics.CYCLE_TENANTS.observe(len({q.tenant_id for q in cycle.forward_backward}))
+    for q in cycle.all():
+        outcome = outcomes.get(q.id)
+        metrics.REQUESTS_FINISHED.labels(q.kind, "ok" if outcome and not outcome.error else "failed").inc()
 
 
 def queued(row: Request) -> QueuedRequest:
@@ -159,10 +170,12 @@ class SchedulerService:
         started_at = utcnow()
         self.cycle_log.record(cycle)
         try:
-            outcomes = self.executor.run_cycle(cycle, jobs)
+            with metrics.CYCLE_SECONDS.time():
+                outcomes = self.executor.run_cycle(cycle, jobs)
         except Exception as e:  # the executor should not raise; if it does, fail the cycle clearly
             log.exception("cycle failed")
             outcomes = {q.id: Outcome.failed(f"internal error: {e}", "server") for q in requests}
+        observe(cycle, outcomes)
         self._store(requests, outcomes, started_at)
         self.buffer.finish(requests)
         for q in requests:

@@ -16,6 +16,7 @@ import logging
 import signal
 import threading
 
+import prometheus_client
 import redis
 
 from api.app import create_app
@@ -92,6 +93,8 @@ class SchedulerProcess:
 def run_scheduler(settings: Settings) -> None:
     process = SchedulerProcess(settings)
     process.start()
+    if settings.metrics_port:
+        prometheus_client.start_http_server(settings.metrics_port)
     print(f"Loraplex scheduler for {settings.base_model} on {settings.redis_url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

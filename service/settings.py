@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     sampler_max_pending: int = Field(256, description="samples in flight before asample answers 429")
     sampler_max_samples: int = Field(128, description="num_samples limit of one request")
     sampler_engine_process: bool = False  # vLLM's engine core in a child process (slower start)
+    metrics_port: int = Field(0, description="the scheduler and sampler worker processes serve their Prometheus "
+                              "metrics on this port (0: not served; the API process serves GET /metrics)")
     long_poll_seconds: float = 30.0  # retrieve_future holds the request this long before try_again
 
     @property

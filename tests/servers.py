@@ -6,6 +6,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 
@@ -19,3 +22,10 @@ def running_server(data_dir: Path, **overrides) -> Iterator[ServerThread]:
         yield server
     finally:
         server.stop()
+
+
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """One sample of the server's Prometheus metrics (GET /metrics), 0 if it has none yet."""
+    text = httpx.get(f"{base_url}/metrics").text
+    return next((s.value for family in text_string_to_metric_families(text) for s in family.samples
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())), 0.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import pickle
 
+import prometheus_client
 from celery import signals
 
 from service.settings import Settings
@@ -38,6 +39,8 @@ def _start(sender=None, **_) -> None:
 
     info = model_info(settings.base_model)
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info)).start()
+    if settings.metrics_port:
+        prometheus_client.start_http_server(settings.metrics_port)
     worker_id = register_worker(client, sender, sampler_key, info.name, lambda: {
         "pending": engine.pending, "ready": engine.ready.is_set(),
         "failed": None if engine.failed is None else str(engine.failed)})

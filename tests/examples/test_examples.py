@@ -62,5 +62,6 @@ def test_the_driver_runs_tenants_at_once_then_one_by_one(service, tmp_path):
     for mode in ("concurrent", "serial"):
         assert [run["name"] for run in report[mode]["runs"]] == [f"sft-0-{mode}", f"rl-1-{mode}"]
         assert all((tmp_path / f"{run['name']}.png").is_file() for run in report[mode]["runs"])
+        assert report[mode]["trainer_busy_seconds"] > 0 and report[mode]["sampler_generated_tokens"] > 0
     assert report["serial_over_concurrent"] > 0
     assert "serial / concurrent" in driver.markdown(report, "command")

@@ -11,7 +11,7 @@ import pytest
 from tinker import types
 from transformers import AutoTokenizer
 
-from tests.servers import running_server
+from tests.servers import metric, running_server
 
 PROMPT = [5, 6, 7, 8, 9]
 MAX_PENDING = 4
@@ -102,11 +102,13 @@ def test_compute_logprobs_equals_the_trainers_forward(service_client):
     assert got[1:] == pytest.approx(expected, abs=1e-4)
 
 
-def test_num_samples_seed_and_stop_strings(service_client, tiny_model_path):
+def test_num_samples_seed_and_stop_strings(server, service_client, tiny_model_path):
     base = service_client.create_sampling_client(base_model="tiny").result()
     prompt = types.ModelInput.from_ints(PROMPT)
     hot = types.SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop=[])
+    generated_before = metric(server.base_url, "loraplex_sampler_generated_tokens_total")
     first, second = (base.sample(prompt, 3, hot).result().sequences for _ in range(2))
+    assert metric(server.base_url, "loraplex_sampler_generated_tokens_total") - generated_before == 2 * 3 * 12
     assert [s.tokens for s in first] == [s.tokens for s in second]  # seeded: reproducible
     assert len(first) == 3 and len({tuple(s.tokens) for s in first}) > 1  # yet 3 different samples
     assert all(len(s.logprobs) == len(s.tokens) for s in first)

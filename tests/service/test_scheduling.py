@@ -16,6 +16,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from db.models import Request, RequestState
 from scheduler.ordering import QueuedRequest
 from service.embedded import ServerThread, free_port
+from tests.servers import metric
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
@@ -48,7 +49,14 @@ def http_client(server, key: str) -> httpx.Client:
     return httpx.Client(base_url=server.base_url, headers={"X-API-Key": key}, timeout=60)
 
 
+def cycles_with_more_tenants_than(server, n: int) -> float:
+    """From GET /metrics: how many cycles so far batched more than n tenants' forward_backward."""
+    return (metric(server.base_url, "loraplex_cycle_tenants_count")
+            - metric(server.base_url, "loraplex_cycle_tenants_bucket", le=f"{float(n)}"))
+
+
 def test_tenants_share_one_batch_and_get_what_they_get_alone(server):
+    batched_before = cycles_with_more_tenants_than(server, 2)
     clients = [tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant()) for _ in range(4)]
     trainers = [c.create_lora_training_client(base_model="tiny", rank=4 + i, seed=i).result() for i, c in enumerate(clients)]
     outputs = [None] * 4
@@ -66,6 +74,7 @@ def test_tenants_share_one_batch_and_get_what_they_get_alone(server):
         ids = {s.scalar(sa.select(Request.id).where(Request.model_id == t.model_id, Request.seq_id == 1)) for t in trainers}
     shared = max(len(ids & set(cycle)) for cycle in server.embedded.scheduler.cycle_log.cycles)
     assert shared == 4, "the four tenants' forward_backward requests ran in one engine call"
+    assert cycles_with_more_tenants_than(server, 2) > batched_before, "GET /metrics shows it too"
 
     for i, client in enumerate(clients):  # the same model alone gives the same numbers
         alone = client.create_lora_training_client(base_model="tiny", rank=4 + i, seed=i).result()

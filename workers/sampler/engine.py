@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from loraplex.wire.codec import SampledSequenceWire
 from workers import store
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
@@ -30,6 +32,14 @@ log = logging.getLogger(__name__)
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 Callback = Callable[[str, SampleResult | EngineError], None]
+
+# Prometheus metrics (served at GET /metrics; see scheduler/metrics.py)
+STEP_SECONDS = Histogram("loraplex_sampler_step_seconds", "Time of one vLLM engine step",
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+RUNNING = Gauge("loraplex_sampler_running_requests", "Sample requests in the vLLM engine")
+GENERATED_TOKENS = Counter("loraplex_sampler_generated_tokens", "Tokens the sampler generated")
+FINISHED = Counter("loraplex_sampler_requests_finished", "Sample requests finished by the sampler engine",
+                   ["outcome"])
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,8 @@ class SamplerEngine:
         job, on_done = self._callbacks.pop(request_id)
         with self._pending_lock:
             self._pending -= 1
+        RUNNING.dec()
+        FINISHED.labels("ok" if isinstance(outcome, SampleResult) else "failed").inc()
         try:
             on_done(request_id, outcome)
         except Exception:
@@ -207,6 +219,7 @@ class SamplerEngine:
 
     def _add(self, job: SampleJob, on_done: Callback) -> None:
         self._callbacks[job.request_id] = (job, on_done)
+        RUNNING.inc()
         try:
             lora = self._lora_request(job.adapter_path) if job.adapter_path else None
             self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
@@ -235,7 +248,8 @@ class SamplerEngine:
                 self._wakeup.clear()
                 continue
             try:
-                outputs = self._engine.step()
+                with STEP_SECONDS.time():
+                    outputs = self._engine.step()
             except Exception as e:  # an engine failure fails what was in flight, clearly
                 log.exception("sampler step failed")
                 for request_id in list(self._callbacks):
@@ -245,6 +259,7 @@ class SamplerEngine:
             for output in outputs:
                 if output.finished and output.request_id in self._callbacks:
                     job, _ = self._callbacks[output.request_id]
+                    GENERATED_TOKENS.inc(sum(len(c.token_ids) for c in output.outputs))
                     try:
                         outcome = to_result(job, output)
                     except Exception as e:  # a bug here must not stop the engine thread
@@ -267,4 +282,5 @@ class SamplerEngine:
             except queue.Empty:
                 return
             self._callbacks[job.request_id] = (job, on_done)
+            RUNNING.inc()
             self._finish(job.request_id, EngineError(message))
