@@ -89,29 +89,33 @@ def run_together(jobs: list[tuple]) -> tuple[float, list[dict]]:
     (Seconds from the start signal until the last one finished, the summaries in job order.)"""
     spawn = multiprocessing.get_context("spawn")
     go, outbox = spawn.Event(), spawn.Queue()
-    processes = [spawn.Process(target=launch, args=(*job, go, outbox)) for job in jobs]
+    processes = [spawn.Process(target=launch, args=(*job, go, outbox), daemon=True) for job in jobs]
     for process in processes:
         process.start()
     ready, summaries, start = 0, {}, 0.0
-    while len(summaries) < len(jobs):
-        try:
-            state, index, payload = outbox.get(timeout=5)
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in processes):
-                raise RuntimeError("a run's process died") from None
-            continue
-        if state == "failed":
-            raise RuntimeError(f"run {index} failed:\n{payload}")
-        if state == "ready":
-            ready += 1
-            if ready == len(jobs):
-                start = time.monotonic()
-                go.set()
-        else:
-            summaries[index] = payload
-    seconds = time.monotonic() - start
-    for process in processes:
-        process.join()
+    try:
+        while len(summaries) < len(jobs):
+            try:
+                state, index, payload = outbox.get(timeout=5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in processes):
+                    raise RuntimeError("a run's process died") from None
+                continue
+            if state == "failed":
+                raise RuntimeError(f"run {index} failed:\n{payload}")
+            if state == "ready":
+                ready += 1
+                if ready == len(jobs):
+                    start = time.monotonic()
+                    go.set()
+            else:
+                summaries[index] = payload
+        seconds = time.monotonic() - start
+    finally:  # a failed run stops the others too
+        for process in processes:
+            if process.exitcode is None and len(summaries) < len(jobs):
+                process.terminate()
+            process.join()
     return seconds, [summaries[job[1]] for job in jobs]  # job[1]: the run's index
 
 
@@ -214,8 +218,9 @@ def main(base_model: str = "SmolLM2-135M-Instruct", runs: str = "sft,rl,sft,rl",
     settings = {"sft": {"steps": sft_steps}, "rl": {"steps": rl_steps}}
     with embedded_server(base_model, port or free_port()) as (base_url, new_tenant, server):
         report = compare(base_url, new_tenant, base_model, kinds, settings, results, server=server)
-    command = (f"{server_environment()} .venv/bin/python -m examples.driver --base-model {base_model} --runs {runs} --sft-steps {sft_steps} "
-               f"--rl-steps {rl_steps}" + (f" --results {results}" if results != RESULTS else "")).strip()
+    command = (f"{server_environment()} .venv/bin/python -m examples.driver --base-model {base_model} --runs {runs} "
+               f"--sft-steps {sft_steps} --rl-steps {rl_steps}"
+               + (f" --results {results}" if results != RESULTS else "")).strip()
     results.mkdir(parents=True, exist_ok=True)
     (results / "driver.json").write_text(json.dumps(report, indent=2))
     (results / "driver.md").write_text(markdown(report, command))
