@@ -149,6 +149,7 @@ class SamplerEngine:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
+        RUNNING.dec(len(self._callbacks))  # jobs still in flight leave with the engine
         if self._engine is not None:
             self._engine.engine_core.shutdown()
             self._engine = None
