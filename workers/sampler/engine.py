@@ -36,7 +36,8 @@ Callback = Callable[[str, SampleResult | EngineError], None]
 # Prometheus metrics (served at GET /metrics; see scheduler/metrics.py)
 STEP_SECONDS = Histogram("loraplex_sampler_step_seconds", "Time of one vLLM engine step",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-RUNNING = Gauge("loraplex_sampler_running_requests", "Sample requests in the vLLM engine")
+PENDING = Gauge("loraplex_sampler_pending_requests",
+                "Sample requests submitted and not finished (the engine's pending: queued or in vLLM)")
 GENERATED_TOKENS = Counter("loraplex_sampler_generated_tokens", "Tokens the sampler generated")
 FINISHED = Counter("loraplex_sampler_requests_finished", "Sample requests finished by the sampler engine",
                    ["outcome"])
@@ -125,6 +126,7 @@ class SamplerEngine:
         self._stop = threading.Event()
         self._callbacks: dict[str, tuple[SampleJob, Callback]] = {}
         self._pending = 0  # submitted and not yet finished
+        PENDING.set_function(lambda: self._pending)  # vLLM allows one engine per process: this one
         self._pending_lock = threading.Lock()
         self._loras: dict = {}  # snapshot location -> its vLLM LoRARequest (the local folder vLLM loaded)
         self._next_lora_id = itertools.count(1)  # never reused: vLLM keys loaded adapters by id
@@ -149,7 +151,6 @@ class SamplerEngine:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=30)
-        RUNNING.dec(len(self._callbacks))  # jobs still in flight leave with the engine
         if self._engine is not None:
             self._engine.engine_core.shutdown()
             self._engine = None
@@ -195,7 +196,6 @@ class SamplerEngine:
         job, on_done = self._callbacks.pop(request_id)
         with self._pending_lock:
             self._pending -= 1
-        RUNNING.dec()
         FINISHED.labels("ok" if isinstance(outcome, SampleResult) else "failed").inc()
         try:
             on_done(request_id, outcome)
@@ -220,7 +220,6 @@ class SamplerEngine:
 
     def _add(self, job: SampleJob, on_done: Callback) -> None:
         self._callbacks[job.request_id] = (job, on_done)
-        RUNNING.inc()
         try:
             lora = self._lora_request(job.adapter_path) if job.adapter_path else None
             self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
@@ -283,5 +282,4 @@ class SamplerEngine:
             except queue.Empty:
                 return
             self._callbacks[job.request_id] = (job, on_done)
-            RUNNING.inc()
             self._finish(job.request_id, EngineError(message))
