@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_triton_backend_matches_torch_backend(tiny_model_path):
-    engines = {b: TrainerEngine(tiny_model_path, sgmv_backend=b, device=DEVICE) for b in ("torch", "triton")}
+    engines = {b: TrainerEngine(tiny_model_path, sgmv_backend=b, device=DEVICE) for b in ("loop", "triton")}
     configs = {"a": LoraConfig(rank=2, seed=1), "b": LoraConfig(rank=8, seed=2, train_attn=False)}
     gen = torch.Generator().manual_seed(0)
     b_values = {}
@@ -33,12 +33,12 @@ def test_triton_backend_matches_torch_backend(tiny_model_path):
     results = {b: engine.forward_backward(requests) for b, engine in engines.items()}
     # fp32 with a different summation order (kernel blocks vs torch): 1.2e-5 relative seen
     tolerance = 3e-5
-    for ours, ref in zip(results["triton"], results["torch"]):
+    for ours, ref in zip(results["triton"], results["loop"]):
         assert abs(ours.metrics["loss:sum"] - ref.metrics["loss:sum"]) <= tolerance * abs(ref.metrics["loss:sum"])
         for o, r in zip(ours.loss_fn_outputs, ref.loss_fn_outputs):
             assert rel_err(o["logprobs"], r["logprobs"]) <= tolerance
     for adapter_id in configs:
         pairs = zip(engines["triton"].adapter(adapter_id).named_parameters(),
-                    engines["torch"].adapter(adapter_id).named_parameters())
+                    engines["loop"].adapter(adapter_id).named_parameters())
         for (name, p), (_, q) in pairs:
             assert rel_err(p.grad.cpu(), q.grad.cpu()) <= tolerance, name

@@ -10,9 +10,16 @@ with adapter weights A_s [r_s, in], B_s [out, r_s] and scale s_s:
               dX_s = dV @ A_s                   (an expand)
               dB_s = g^T @ v,  dA_s = dV^T @ x_s (per-segment reductions over tokens)
 
-Two backends compute the same math: a segment loop with plain torch matmuls (CPU; it performs
-the same matmuls as peft, so results match peft bit for bit or nearly so), and Triton SGMV
-kernels over rank-padded stacked weights (GPU). Rows outside every segment get no delta.
+Three backends compute the same math:
+- "loop": a segment loop of plain torch matmuls (it performs the same matmuls as peft, so
+  results match peft bit for bit or nearly so);
+- "bmm": one batched matmul per product over segments padded to a common width (CPU; see
+  padded_segments.py), which saves the per-call overhead that dominates small segments;
+- "triton": Triton SGMV kernels over rank-padded stacked weights (GPU).
+"auto" picks Triton for GPU tensors; on CPU, bmm for several segments unless their padding
+would double the rows or the layer is vocabulary-wide (lm_head, where the loop's in-place
+update saves [tokens, vocab] temporaries and per-call overhead is negligible), else the loop.
+Rows outside every segment get no delta.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.sgmv import segment_ops
+from workers.sgmv import padded_segments, segment_ops
+from workers.sgmv.padded_segments import segment_grid, stack_padded
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,8 @@ class Segment:
     scale: float
 
 
-BACKENDS = ("auto", "torch", "triton")  # auto: Triton on GPU tensors, the torch loop elsewhere
+BACKENDS = ("auto", "loop", "bmm", "triton")
+BMM_MAX_OUT_FEATURES = 16384  # wider outputs (an unembedding) take the loop under "auto"
 
 
 def apply_segmented_lora(
@@ -49,31 +58,46 @@ def apply_segmented_lora(
         raise ValueError(f"unknown SGMV backend {backend!r}; choose from {BACKENDS}")
     if not segments:
         return base_out
-    use_triton = backend == "triton" or (backend == "auto" and x.is_cuda)
     bounds = tuple((s.start, s.end) for s in segments)
     scales = tuple(s.scale for s in segments)
     weights = [s.lora_a.to(x.dtype) for s in segments] + [s.lora_b.to(x.dtype) for s in segments]
-    return _SegmentedLoRA.apply(x, base_out, bounds, scales, use_triton, *weights)
+    method = _choose(backend, x, base_out.shape[-1], bounds)
+    return _SegmentedLoRA.apply(x, base_out, bounds, scales, method, *weights)
+
+
+def _choose(backend: str, x: torch.Tensor, out_features: int, bounds) -> str:
+    if backend != "auto":
+        return backend
+    if x.is_cuda:
+        return "triton"
+    if len(bounds) < 2 or out_features > BMM_MAX_OUT_FEATURES:
+        return "loop"
+    grid = segment_grid(bounds, x.numel() // x.shape[-1])
+    return "bmm" if grid.padding(sum(end - start for start, end in bounds)) <= padded_segments.MAX_PADDING else "loop"
 
 
 class _SegmentedLoRA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, base_out, bounds, scales, use_triton, *weights):
+    def forward(ctx, x, base_out, bounds, scales, method, *weights):
         n = len(bounds)
         lora_as, lora_bs = weights[:n], weights[n:]
         x2 = x.reshape(-1, x.shape[-1])
         out2 = base_out.view(-1, base_out.shape[-1])
-        if use_triton:  # `shrunk` then holds v and the kernels' stacked inputs, reused by the backward
-            shrunk = _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs)
+        # `saved`: what each method's backward reuses (v, or the stacked weights and v)
+        if method == "triton":
+            saved = _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs)
+        elif method == "bmm":
+            saved = padded_segments.forward_(x2, out2, segment_grid(bounds, x2.shape[0]), scales, lora_as, lora_bs)
         else:
-            shrunk = []
+            saved = []
             for (start, end), a, b, scale in zip(bounds, lora_as, lora_bs, scales):
                 v = segment_ops.shrink(x2, a, slice(start, end))
                 segment_ops.expand_(out2, v, b, slice(start, end), scale)  # in place: out can be vocab wide
-                shrunk.append(v)
+                saved.append(v)
         ctx.mark_dirty(base_out)
-        ctx.bounds, ctx.scales, ctx.use_triton, ctx.x_shape = bounds, scales, use_triton, x.shape
-        ctx.save_for_backward(x2, *lora_as, *lora_bs, *shrunk)
+        ctx.bounds, ctx.scales, ctx.method, ctx.x_shape = bounds, scales, method, x.shape
+        ctx.ranks = [a.shape[0] for a in lora_as]
+        ctx.save_for_backward(x2, *lora_as, *lora_bs, *saved)
         return base_out
 
     @staticmethod
@@ -81,15 +105,18 @@ class _SegmentedLoRA(torch.autograd.Function):
         bounds, scales = ctx.bounds, ctx.scales
         n = len(bounds)
         saved = ctx.saved_tensors
-        x2, lora_as, lora_bs, shrunk = saved[0], saved[1 : 1 + n], saved[1 + n : 1 + 2 * n], saved[1 + 2 * n :]
+        x2, lora_as, lora_bs, extra = saved[0], saved[1 : 1 + n], saved[1 + n : 1 + 2 * n], saved[1 + 2 * n :]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         need_dx = ctx.needs_input_grad[0]
-        if ctx.use_triton:
-            dx, grad_as, grad_bs = _triton_backward(x2, g2, lora_as, lora_bs, shrunk, need_dx)
+        if ctx.method == "triton":
+            dx, grad_as, grad_bs = _triton_backward(x2, g2, lora_as, lora_bs, extra, need_dx)
+        elif ctx.method == "bmm":
+            grid = segment_grid(bounds, x2.shape[0])
+            dx, grad_as, grad_bs = padded_segments.backward(g2, grid, extra, ctx.ranks, need_dx)
         else:
             dx = _zeros_outside(x2, bounds) if need_dx else None
             grad_as, grad_bs = [], []
-            for (start, end), a, b, v, scale in zip(bounds, lora_as, lora_bs, shrunk, scales):
+            for (start, end), a, b, v, scale in zip(bounds, lora_as, lora_bs, extra, scales):
                 g = g2[start:end]
                 # scale the small [tokens, rank] / [out, rank] products, never the [tokens, out] gradient
                 dv = (g @ b).mul_(scale)
@@ -115,16 +142,6 @@ def _zeros_outside(x2: torch.Tensor, bounds) -> torch.Tensor:
 # --- GPU backend: Triton SGMV kernels over rank-padded stacked weights -------------------------
 
 
-def _stack_padded(mats, rank_dim: int) -> torch.Tensor:
-    """Stack matrices whose `rank_dim` differs (each adapter has its own rank), zero-padding it."""
-    max_rank = max(m.shape[rank_dim] for m in mats)
-    padded = []
-    for m in mats:
-        pad = max_rank - m.shape[rank_dim]
-        padded.append(F.pad(m, (0, pad) if rank_dim == 1 else (0, 0, 0, pad)) if pad else m)
-    return torch.stack(padded)
-
-
 def _segment_tensors(bounds, scales, device):
     starts = torch.tensor([b[0] for b in bounds], dtype=torch.int64, device=device)
     ends = torch.tensor([b[1] for b in bounds], dtype=torch.int64, device=device)
@@ -136,8 +153,8 @@ def _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs):
     from workers.sgmv import triton_kernels as tk
 
     starts, ends, scale = _segment_tensors(bounds, scales, x2.device)
-    stacked_a = _stack_padded(lora_as, rank_dim=0)  # [S, R, in]
-    stacked_b = _stack_padded(lora_bs, rank_dim=1)  # [S, out, R]
+    stacked_a = stack_padded(lora_as, rank_dim=0)  # [S, R, in]
+    stacked_b = stack_padded(lora_bs, rank_dim=1)  # [S, out, R]
     v = tk.sgmv_shrink(x2, stacked_a, starts, ends)
     tk.sgmv_expand(v, stacked_b, starts, ends, scale, out=out2, accumulate=True)
     return [v, stacked_a, stacked_b, starts, ends, scale]

@@ -1,0 +1,84 @@
+"""The CPU backends of the segmented LoRA autograd function agree: the padded-bmm path against the
+segment loop (which matches peft), on the grid's view layout and its gather layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.sgmv import segmented_lora
+from workers.sgmv.padded_segments import segment_grid
+from workers.sgmv.segmented_lora import Segment, apply_segmented_lora
+
+IN, OUT = 24, 40
+
+
+def _segments(bounds, ranks, dtype, gen):
+    segments = []
+    for (start, end), rank in zip(bounds, ranks):
+        a = torch.randn(rank, IN, generator=gen).to(dtype).requires_grad_()
+        b = torch.randn(OUT, rank, generator=gen).to(dtype).requires_grad_()
+        segments.append(Segment(start, end, a, b, scale=float(rank) / 3))
+    return segments
+
+
+def _run(backend, bounds, ranks, dtype, n_rows):
+    """Output, dX and every segment's dA, dB of one pass through apply_segmented_lora."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n_rows, IN, generator=gen).to(dtype).requires_grad_()
+    base = torch.randn(n_rows, OUT, generator=gen).to(dtype)
+    grad_out = torch.randn(n_rows, OUT, generator=gen).to(dtype)
+    segments = _segments(bounds, ranks, dtype, gen)
+    out = apply_segmented_lora(x * 1, base.clone(), segments, backend)  # x * 1: a non-leaf, like a layer input
+    out.backward(grad_out)
+    return [out.detach(), x.grad] + [w.grad for s in segments for w in (s.lora_a, s.lora_b)]
+
+
+LAYOUTS = {
+    "equal, back to back (a view)": ([(4, 12), (12, 20), (20, 28)], 32),
+    "ragged, with gaps (a gather)": ([(0, 5), (7, 19), (19, 20), (24, 30)], 33),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bmm_path_equals_segment_loop(layout, dtype):
+    bounds, n_rows = LAYOUTS[layout]
+    ranks = [4, 8, 2, 8][: len(bounds)]  # different ranks: the stacked weights are zero-padded
+    got = _run("bmm", bounds, ranks, dtype, n_rows)
+    want = _run("loop", bounds, ranks, torch.float32, n_rows)  # bf16 runs are checked against fp32
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == dtype and g.shape == w.shape, i
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"tensor {i}")
+        else:  # bf16 rounding of inputs and of v: the loop itself is off by up to ~0.6% of the largest value
+            assert (g.float() - w).abs().max() <= 2e-2 * w.abs().max(), f"tensor {i}"
+    covered = torch.zeros(n_rows, dtype=torch.bool)
+    for start, end in bounds:
+        covered[start:end] = True
+    assert not got[1][~covered].any()  # rows outside every segment get no gradient through LoRA
+
+
+def test_grid_layouts():
+    view = segment_grid(((2, 6), (6, 10)), 12)
+    assert view.is_view and (view.groups, view.width) == (2, 4)
+    rows = torch.arange(12.0).view(12, 1)
+    assert view.to_cells(rows).flatten().tolist() == list(range(2, 10))
+    assert view.from_cells(view.to_cells(rows)).flatten().tolist() == [0, 0, *range(2, 10), 0, 0]
+
+    gather = segment_grid(((0, 3), (5, 6)), 7)
+    assert not gather.is_view and gather.width == 4  # the longest segment plus a spare zero cell
+    cells = gather.to_cells(rows[:7] + 1)
+    assert cells.flatten().tolist() == [1, 2, 3, 0, 6, 0, 0, 0]
+    assert gather.from_cells(cells).flatten().tolist() == [1, 2, 3, 0, 0, 6, 0]
+
+
+@pytest.mark.parametrize("bounds,out_features,expected", [
+    (((0, 8),), 40, "loop"),  # one adapter: nothing to batch
+    (((0, 8), (8, 16)), 40, "bmm"),
+    (((0, 30), (30, 31), (31, 32)), 40, "loop"),  # padding to 30 rows each would triple the work
+    (((0, 8), (8, 16)), segmented_lora.BMM_MAX_OUT_FEATURES + 1, "loop"),  # an unembedding
+])
+def test_auto_choice_on_cpu(bounds, out_features, expected):
+    x = torch.zeros(bounds[-1][1], 4)
+    assert segmented_lora._choose("auto", x, out_features, bounds) == expected
