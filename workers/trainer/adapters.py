@@ -128,8 +128,9 @@ class Adapter:
         for p in params:
             if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
                 p.grad = torch.zeros_like(p)
-        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
+            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm, foreach=True)
         group = self.optimizer.param_groups[0]
         group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                      weight_decay=adam.weight_decay)
