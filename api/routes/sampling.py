@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, Field
 
@@ -20,7 +21,7 @@ from api.deps import DB, CurrentTenant
 from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
 from api.submit import submit
-from db.models import Sampler, new_id
+from db.models import Checkpoint, Sampler, new_id
 from loraplex.wire.codec import WireError, model_input_tokens
 from scheduler.sampling import SAMPLE, SamplerBusy, SamplerUnavailable
 from workers.sampler.jobs import SampleJob, SamplingOptions
@@ -140,6 +141,12 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
     """(sampler id or None, snapshot folder or None) of the request."""
     if body.sampling_session_id is not None:
         sampler = owned_sampler(db, tenant_id, body.sampling_session_id)
+        # A deleted (or expired) checkpoint stops serving, although its sampler may still hold it loaded.
+        if sampler.model_path is not None and db.scalar(
+            sa.select(Checkpoint.id).where(Checkpoint.tinker_path == sampler.model_path)
+        ) is None:
+            raise HTTPException(404, f"sampling_session_id: the sampler's weights {sampler.model_path} "
+                                     "are not saved (yet) or were deleted")
         return sampler.id, sampler.adapter_path
     if body.model_path is not None:
         _, checkpoint = resolve_checkpoint(db, tenant_id, body.model_path, "model_path")

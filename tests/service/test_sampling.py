@@ -72,6 +72,24 @@ def test_snapshot_isolation_and_policy_versions(service_client):
     assert greedy(service_client.create_sampling_client(model_path=path).result()) != pinned_tokens
 
 
+def test_a_deleted_checkpoint_stops_serving(service_client):
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+    train(tc, 1)
+    path = tc.save_weights_for_sampler("doomed").result().path
+    sampler = service_client.create_sampling_client(model_path=path).result()
+    snapshot = tc.save_weights_and_get_sampling_client()
+    greedy(sampler), greedy(snapshot)  # both loaded in the engine now
+    rest = service_client.create_rest_client()
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(Exception, match="deleted"):
+        greedy(sampler)
+    assert len(greedy(snapshot)) == 10  # another checkpoint of the same model still serves
+    [left] = rest.list_checkpoints(tc.model_id).result().checkpoints  # the snapshot's own checkpoint
+    rest.delete_checkpoint_from_tinker_path(left.tinker_path).result()
+    with pytest.raises(Exception, match="deleted"):
+        greedy(snapshot)
+
+
 def test_sampler_and_trainer_logprobs_agree(service_client):
     tc = service_client.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
     train(tc, 2)
