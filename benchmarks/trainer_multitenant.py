@@ -12,7 +12,8 @@ serial) against its ceiling c/e; capture = (c/a) / (c/e) = e/a. "a/d fb" is a/d 
 forward_backward alone, whose physical limit is 1.0 (same FLOPs); the optim_step's is not: N
 adapters' AdamW states are N times the memory to update.
 
-    .venv/bin/python benchmarks/trainer_multitenant.py [--models tiny,SmolLM2-135M-Instruct] [--reps 3]
+    .venv/bin/python benchmarks/trainer_multitenant.py [--models tiny,SmolLM2-135M-Instruct] [--tenants 1,2,4,8]
+        [--workloads 2x128,1x32] [--reps 3] [--no-write]
 
 Modes are interleaved within each repetition and the median is reported, so machine noise hits
 all modes alike; only the ratios are meaningful.
@@ -119,7 +120,7 @@ class PeftSerial:
             self.optimizers[f"t{i}"].zero_grad(set_to_none=True)
 
 
-def measure(model: str, tenants: list[int], reps: int) -> list[dict]:
+def measure(model: str, tenants: list[int], workloads: list[str], reps: int) -> list[dict]:
     engine = TrainerEngine(model)
     max_n = max(tenants)
     for i in range(max_n):
@@ -127,7 +128,8 @@ def measure(model: str, tenants: list[int], reps: int) -> list[dict]:
     engine.create_adapter("all", LoraConfig(rank=RANK, alpha=32, seed=99))
     peft_serial = PeftSerial(engine.model_path, max_n)
     rows = []
-    for workload, (seqs, length) in WORKLOADS.items():
+    for workload in workloads:
+        seqs, length = WORKLOADS[workload]
         for n in tenants:
             data = tenant_data(n, seqs, length, engine.vocab_size)
             modes = {
@@ -169,19 +171,20 @@ def format_row(r: dict) -> str:
     return f"| {r['model']} | {r['N']} x {r['workload']} | {times} | {ratios} |"
 
 
-def main(models: str = "tiny,SmolLM2-135M-Instruct", tenants: str = "1,2,4,8", reps: int = 3,
-         write: bool = True) -> None:
+def main(models: str = "tiny,SmolLM2-135M-Instruct", tenants: str = "1,2,4,8", workloads: str = "2x128,1x32",
+         reps: int = 3, write: bool = True) -> None:
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     print(HEADER)
     rows = []
     for model in models.split(","):
-        rows += measure(model, [int(n) for n in tenants.split(",")], reps)
+        rows += measure(model, [int(n) for n in tenants.split(",")], workloads.split(","), reps)
     if write:
         RESULTS.parent.mkdir(exist_ok=True)
         lines = [HEADER] + [format_row(r) for r in rows]
         RESULTS.write_text(
             f"Command: `.venv/bin/python benchmarks/trainer_multitenant.py --models {models} --tenants {tenants} "
+            f"--workloads {workloads} "
             f"--reps {reps}`\n\nTorch threads: {torch.get_num_threads()}, LoRA rank {RANK} on all linear "
             f"layers, median of {reps} interleaved repetitions.\n\n" + "\n".join(lines) + "\n"
         )
