@@ -141,7 +141,7 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
     """(sampler id or None, snapshot folder or None) of the request."""
     if body.sampling_session_id is not None:
         sampler = owned_sampler(db, tenant_id, body.sampling_session_id)
-        # A deleted (or expired) checkpoint stops serving, although its sampler may still hold it loaded.
+        # A deleted checkpoint stops serving, though the engine may still hold it loaded.
         if sampler.model_path is not None and db.scalar(
             sa.select(Checkpoint.id).where(Checkpoint.tinker_path == sampler.model_path)
         ) is None:
