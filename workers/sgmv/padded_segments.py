@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.sgmv.segment_ops import PaddedGroups, padded_ranges
+
 MAX_PADDING = 2.0  # grid cells per segment row beyond which the segment loop is cheaper
 
 
@@ -26,27 +28,26 @@ class SegmentGrid:
     groups: int
     width: int
     first: int  # row of cell (0, 0) when the grid is a view of the rows
-    cells: torch.Tensor | None  # [groups, width] row index per cell (n_rows: a zero row); None for a view
-    position: torch.Tensor | None  # [n_rows] each row's flat cell index (a zero cell outside segments)
+    padded: PaddedGroups | None  # the gather layout; None for a view
 
     @property
     def is_view(self) -> bool:
-        return self.cells is None
+        return self.padded is None
 
     def padding(self, segment_rows: int) -> float:
         return self.groups * self.width / max(segment_rows, 1)
 
     def to_cells(self, rows: torch.Tensor) -> torch.Tensor:
         """[n_rows, f] -> [groups, width, f]; padding cells are zero."""
-        if self.is_view:
-            return rows[self.first: self.first + self.groups * self.width].view(self.groups, self.width, -1)
-        return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[self.cells]
+        if not self.is_view:
+            return self.padded.gather(rows)
+        return rows[self.first: self.first + self.groups * self.width].view(self.groups, self.width, -1)
 
     def from_cells(self, cells: torch.Tensor) -> torch.Tensor:
         """[groups, width, f] -> [n_rows, f]; rows outside every segment are zero."""
-        flat = cells.reshape(-1, cells.shape[-1])
         if not self.is_view:
-            return flat.index_select(0, self.position)
+            return self.padded.scatter(cells)
+        flat = cells.reshape(-1, cells.shape[-1])
         rows = flat.new_empty(self.n_rows, flat.shape[1])
         end = self.first + flat.shape[0]
         rows[: self.first] = 0
@@ -62,14 +63,9 @@ def segment_grid(bounds: tuple[tuple[int, int], ...], n_rows: int) -> SegmentGri
     lengths = [end - start for start, end in bounds]
     back_to_back = all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
     if back_to_back and len(set(lengths)) == 1:
-        return SegmentGrid(n_rows, len(bounds), lengths[0], bounds[0][0], None, None)
-    width = max(lengths) + 1  # one spare cell per group at least: rows outside segments read a zero
-    cells = torch.full((len(bounds), width), n_rows, dtype=torch.int64)
-    position = torch.full((n_rows,), width - 1, dtype=torch.int64)
-    for g, (start, end) in enumerate(bounds):
-        cells[g, : end - start] = torch.arange(start, end)
-        position[start:end] = g * width + torch.arange(end - start)
-    return SegmentGrid(n_rows, len(bounds), width, 0, cells, position)
+        return SegmentGrid(n_rows, len(bounds), lengths[0], bounds[0][0], None)
+    padded = padded_ranges(bounds, n_rows)  # one spare cell per group at least: rows outside segments read a zero
+    return SegmentGrid(n_rows, len(bounds), padded.cells.shape[1], 0, padded)
 
 
 def stack_padded(mats, rank_dim: int) -> torch.Tensor:

@@ -68,22 +68,37 @@ class PaddedGroups:
     cells: torch.Tensor  # [groups, width] row index into x plus a zero row
     position: torch.Tensor  # [n_rows] each row's flat cell index
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[n_rows, f] -> [groups, width, f]; padding cells are zero."""
+        return torch.cat([x, x.new_zeros(1, x.shape[1])])[self.cells.to(x.device)]
 
-def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
-    """Group rows by slot (>= 0); None when no row has an adapter."""
-    slots = slots.to("cpu", torch.int64)
-    n_rows = slots.numel()
-    active = [s for s in torch.unique(slots).tolist() if s >= 0]
-    if not active:
-        return None
-    members = [torch.nonzero(slots == s).flatten() for s in active]
+    def scatter(self, cells: torch.Tensor) -> torch.Tensor:
+        """[groups, width, f] -> [n_rows, f]: each row's cell (a zero cell for rows in no group)."""
+        return cells.reshape(-1, cells.shape[-1]).index_select(0, self.position.to(cells.device))
+
+
+def _padded(slots: tuple[int, ...], members: list[torch.Tensor], n_rows: int) -> PaddedGroups:
     width = max(m.numel() for m in members) + 1
-    cells = torch.full((len(active), width), n_rows, dtype=torch.int64)
+    cells = torch.full((len(members), width), n_rows, dtype=torch.int64)
     position = torch.full((n_rows,), width - 1, dtype=torch.int64)  # no adapter: group 0's spare cell
     for g, rows in enumerate(members):
         cells[g, : rows.numel()] = rows
         position[rows] = g * width + torch.arange(rows.numel())
-    return PaddedGroups(tuple(active), cells, position)
+    return PaddedGroups(slots, cells, position)
+
+
+def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
+    """Group rows by slot (>= 0); None when no row has an adapter."""
+    slots = slots.to("cpu", torch.int64)
+    active = [s for s in torch.unique(slots).tolist() if s >= 0]
+    if not active:
+        return None
+    return _padded(tuple(active), [torch.nonzero(slots == s).flatten() for s in active], slots.numel())
+
+
+def padded_ranges(bounds, n_rows: int) -> PaddedGroups:
+    """One group per row range [start, end) (empty ones included), in order: group i is slot i."""
+    return _padded(tuple(range(len(bounds))), [torch.arange(start, end) for start, end in bounds], n_rows)
 
 
 def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: torch.Tensor,
@@ -94,14 +109,11 @@ def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: 
     [groups, rank_i, out_i] is slice i's B, written to the next out_i columns of `out`. All
     transposed for bmm.
     """
-    x_cells = torch.cat([x, x.new_zeros(1, x.shape[1])])[groups.cells.to(x.device)]
-    v = torch.bmm(x_cells, a_t)
+    v = torch.bmm(groups.gather(x), a_t)
     if scale != 1.0:
         v.mul_(scale)
-    position = groups.position.to(x.device)
     r0 = o0 = 0
     for b_t in b_ts:
         rank, width = b_t.shape[1:]
-        delta = torch.bmm(v[:, :, r0: r0 + rank], b_t)
-        out[:, o0: o0 + width].add_(delta.view(-1, width).index_select(0, position))
+        out[:, o0: o0 + width].add_(groups.scatter(torch.bmm(v[:, :, r0: r0 + rank], b_t)))
         r0, o0 = r0 + rank, o0 + width

@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from workers.sgmv import padded_segments, segment_ops
 from workers.sgmv.padded_segments import segment_grid, stack_padded
