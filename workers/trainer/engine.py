@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from workers.host_memory import retain_freed_host_memory
 from workers.models.registry import resolve_model
 from workers.trainer import checkpoints
 from workers.trainer.adapters import Adapter, AdamParams, LoraConfig
@@ -45,6 +46,7 @@ class TrainerEngine:
         sgmv_backend: str = "auto",
         max_pass_tokens: int = 512,
     ) -> None:
+        retain_freed_host_memory()  # before the model loads: passes then reuse warm pages
         self.model_path = resolve_model(str(base_model), cache_dir)
         self.base_model_name = str(base_model)
         self.max_rank = max_rank
