@@ -14,7 +14,11 @@ from workers.trainer.engine import TrainerEngine
 
 @pytest.fixture
 def engine(tiny_model_path):
-    engine = TrainerEngine(tiny_model_path)
+    return three_adapter_engine(tiny_model_path)
+
+
+def three_adapter_engine(model_path):
+    engine = TrainerEngine(model_path)
     gen = torch.Generator().manual_seed(5)
     for i, adapter_id in enumerate(["a", "b", "c"]):
         adapter = engine.create_adapter(adapter_id, LoraConfig(rank=2 + 2 * i, seed=i))
@@ -60,7 +64,7 @@ def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
     b = engine.adapter("b")
     before = {n: p.detach().clone() for n, p in b.named_parameters()}
     grads_before = grads(engine, "b")
-    moments_before = {n: {k: v.clone() for k, v in b.optimizer.state[p].items()} for n, p in b.named_parameters()}
+    moments_before = {n: {k: v.clone() for k, v in b.adam_state[p].items()} for n, p in b.named_parameters()}
 
     brutal = AdamParams(learning_rate=10.0, weight_decay=0.9, grad_clip_norm=1e-3)
     engine.optim_step([("a", brutal), ("c", brutal)])
@@ -68,9 +72,35 @@ def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
     for n, p in b.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
         assert torch.equal(p.grad, grads_before[n]), n
-        for k, v in b.optimizer.state[p].items():
+        for k, v in b.adam_state[p].items():
             assert torch.equal(v, moments_before[n][k]), (n, k)
     assert b.step == 1 and engine.adapter("a").step == 1 and engine.adapter("c").step == 2
+
+
+def test_one_optim_step_call_equals_each_adapter_stepped_alone(engine, tiny_model_path):
+    """Adapters at different step counts, with different hyperparameters (one set shared by two,
+    so they share a fused call), and one adapter listed twice (it steps twice)."""
+    alone = three_adapter_engine(tiny_model_path)
+    plain, clipped = AdamParams(1e-2, weight_decay=0.1), AdamParams(3e-2, beta2=0.99, grad_clip_norm=0.5)
+    steps = [("a", plain), ("b", clipped), ("c", plain), ("a", plain)]
+    for e in (engine, alone):
+        for adapter_id in "abc":
+            e.forward_backward([ForwardBackwardInput(adapter_id, datums("cross_entropy", 20), "cross_entropy")])
+        e.optim_step([("b", plain)])
+        for adapter_id in "abc":
+            e.forward_backward([ForwardBackwardInput(adapter_id, datums("ppo", 21), "ppo")])
+
+    together = engine.optim_step(steps)
+    separately = [alone.optim_step([step])[0] for step in steps]
+
+    assert together == separately  # grad_norm, learning_rate and step of each
+    assert [engine.adapter(a).step for a in "abc"] == [2, 2, 1]
+    for adapter_id in "abc":
+        mine, reference = engine.adapter(adapter_id), alone.adapter(adapter_id)
+        for (n, p), q in zip(mine.named_parameters(), reference.parameters()):
+            assert torch.equal(p.detach(), q.detach()), n
+            for k, v in mine.adam_state[p].items():
+                assert torch.equal(v, reference.adam_state[q][k]), (n, k)
 
 
 def test_weights_times_two_doubles_the_loss(engine):

@@ -2,7 +2,7 @@
 
 Memory grows with the adapters that exist (each holds only its own tensors), never with
 tenants x slots. Gradients accumulate in the weights' `.grad` across forward_backward calls
-until `optim_step` applies and clears them.
+until an optimizer step (optimizer.py) applies and clears them.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class Adapter:
         self.weights = weights  # module path in the base model -> weights
         self.scale = config.alpha / config.rank
         self.step = 0  # optimizer steps applied
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=0.0, fused=True)
+        # AdamW state per weight, as torch keeps it: {"step", "exp_avg", "exp_avg_sq"} (optimizer.py)
+        self.adam_state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
 
     @classmethod
     def create(cls, adapter_id: str, config: LoraConfig, base_layers: dict[str, nn.Linear], dtype: torch.dtype):
@@ -121,20 +122,3 @@ class Adapter:
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
-
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """One AdamW step (decoupled weight decay, optional global-norm clipping) on this adapter only."""
-        params = list(self.parameters())
-        for p in params:
-            if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
-                p.grad = torch.zeros_like(p)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm, foreach=True)
-        group = self.optimizer.param_groups[0]
-        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                     weight_decay=adam.weight_decay)
-        self.optimizer.step()
-        self.zero_grad()
-        self.step += 1
-        return {"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(self.step)}

@@ -128,7 +128,7 @@ def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None =
         tensors[f"weight/{name}"] = p.detach().cpu().contiguous()
         if with_gradients and p.grad is not None:
             tensors[f"grad/{name}"] = p.grad.detach().cpu().contiguous()
-        state = adapter.optimizer.state.get(p)
+        state = adapter.adam_state.get(p)
         if state:
             tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
             tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
@@ -203,7 +203,7 @@ def load_training_state(
     if with_optimizer and manifest.get("has_optimizer_state"):
         adapter.step = int(manifest["step"])
         for name, p in adapter.named_parameters():
-            adapter.optimizer.state[p] = {
+            adapter.adam_state[p] = {
                 "step": torch.tensor(float(adapter.step), dtype=torch.float32, device=p.device),
                 "exp_avg": tensors[f"exp_avg/{name}"].to(p.device, p.dtype),
                 "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device, p.dtype),

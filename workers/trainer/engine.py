@@ -31,6 +31,7 @@ from workers.trainer.batch import (
 )
 from workers.trainer.errors import EngineError, InvalidInputError, UnknownAdapterError
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
+from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, SEQ_BOUNDS_KWARG
 
 
@@ -193,14 +194,23 @@ class TrainerEngine:
 
     def optim_step(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | EngineError]:
         """AdamW on many adapters in one call, each with its own hyperparameters and step count."""
-        results: list[dict[str, float] | EngineError] = []
-        for adapter_id, adam in steps:
+        results: list[dict[str, float] | EngineError | None] = [None] * len(steps)
+        valid: list[tuple[int, Adapter, AdamParams]] = []
+        for i, (adapter_id, adam) in enumerate(steps):
             try:
                 adam.validate()
-                results.append(self.adapter(adapter_id).optim_step(adam))
+                valid.append((i, self.adapter(adapter_id), adam))
             except InvalidInputError as e:
-                results.append(e)
-        return results
+                results[i] = e
+        while valid:  # an adapter listed twice steps twice: its second step goes in a later call
+            batch, seen, later = [], set(), []
+            for item in valid:
+                (later if id(item[1]) in seen else batch).append(item)
+                seen.add(id(item[1]))
+            for (i, _, _), metrics in zip(batch, adamw_step([(adapter, adam) for _, adapter, adam in batch])):
+                results[i] = metrics
+            valid = later
+        return results  # type: ignore[return-value]
 
     # --- checkpoints -----------------------------------------------------------------------------
 

@@ -1,0 +1,72 @@
+"""AdamW over many adapters at once: one fused kernel call per distinct set of hyperparameters.
+
+Each adapter keeps its own moments and step count; torch's fused AdamW reads a step tensor per
+weight, so adapters at different steps share a call. Clipping and the reported grad_norm stay per
+adapter. (One `torch.optim.AdamW.step()` per adapter spent ~0.3 ms of Python on each; with 8
+small adapters that was most of the step.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.optim.adamw import adamw
+
+from workers.trainer.adapters import Adapter, AdamParams
+
+
+class _FusedCall:
+    """The tensors of the adapters that share one set of hyperparameters."""
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.exp_avgs: list[Tensor] = []
+        self.exp_avg_sqs: list[Tensor] = []
+        self.steps: list[Tensor] = []
+
+    def add(self, adapter: Adapter) -> None:
+        for p in adapter.parameters():
+            state = adapter.adam_state.get(p)
+            if state is None:
+                state = adapter.adam_state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+            self.params.append(p)
+            self.grads.append(p.grad)
+            self.exp_avgs.append(state["exp_avg"])
+            self.exp_avg_sqs.append(state["exp_avg_sq"])
+            self.steps.append(state["step"])
+
+
+def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]]:
+    """One AdamW step (decoupled weight decay, optional global-norm clipping) on each adapter of
+    `batch` (each at most once), then clear its gradients. Metrics in batch order."""
+    assert len({id(a) for a, _ in batch}) == len(batch), "an adapter appears twice in one step"
+    calls: dict[tuple[float, ...], _FusedCall] = {}
+    grad_norms = []
+    for adapter, adam in batch:
+        params = list(adapter.parameters())
+        for p in params:
+            if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
+                p.grad = torch.zeros_like(p)
+        grad_norm = get_total_norm([p.grad for p in params], foreach=True)
+        if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
+            clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm, foreach=True)
+        grad_norms.append(grad_norm)
+        key = (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay)
+        calls.setdefault(key, _FusedCall()).add(adapter)
+    with torch.no_grad():
+        for (lr, beta1, beta2, eps, weight_decay), call in calls.items():
+            adamw(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, [], call.steps, fused=True,
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                  maximize=False)
+    metrics = []
+    for (adapter, adam), grad_norm in zip(batch, grad_norms):
+        adapter.zero_grad()
+        adapter.step += 1
+        metrics.append({"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(adapter.step)})
+    return metrics
