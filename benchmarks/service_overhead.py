@@ -84,6 +84,8 @@ def main(rounds: int = 100, clients: int = 8, write: bool = True) -> None:
     transformers.utils.logging.disable_progress_bar()
     rows = token_rows(0)
     server = ServerThread(Settings(data_dir=Path(tempfile.mkdtemp()), port=free_port()))
+    if server.embedded.sampling is not None:  # vLLM starts in the background: not while we measure
+        server.embedded.sampling.engine.wait_ready(timeout=600)
     try:
         # --- latency: SDK round vs in-process round, interleaved ---
         tc = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant()).create_lora_training_client(

@@ -68,8 +68,8 @@ class CeleryExecutor:
         return {k.decode(): v.decode() for k, v in self.redis.hgetall(PLACEMENT).items()}
 
     def place(self, model_ids: set[str]) -> set[str]:
-        """Give every model a live worker; the models that had one which died (their gradients
-        since the last optim_step must be replayed)."""
+        """Give every model a live worker; the models that had one which died (their work since their durable
+        state must be replayed)."""
         try:
             workers = self._wait_for_workers()
         except WorkerLost:

@@ -5,11 +5,12 @@ this process (embedded mode); the distributed mode sends the same cycle to a Cel
 Payloads are the bodies the API accepted: protobuf for forward/backward, and for the other
 operations a JSON body the API already validated and resolved (checkpoint paths, LoRA config).
 
-Durability rule: an adapter's full training state is written to `live_dir` (a folder of the
-checkpoint store: a local path or an fsspec URL, workers/store.py) after create_model,
-load_weights and every optim_step, before the outcome is returned (so before the future
-resolves). After a restart an adapter is reloaded from there, and the forward_backward requests
-it had finished since (their gradients were only in memory) are replayed by the scheduler.
+Durability rule: an adapter's training state is written to `live_dir` (a folder of the
+checkpoint store: a local path or an fsspec URL, workers/store.py) after create_model and
+load_weights before the outcome is returned, and after every optim_step in the background
+(scheduler/state_writer.py: a copy taken at once, written off the request's path). After a
+restart an adapter is reloaded from there, and the forward_backward and optim_step requests it
+had finished since (their effects were only in memory) are replayed by the scheduler.
 
 Eviction (to make room, or to move the adapter to another worker) writes the adapter's full state,
 accumulated gradients included, marked with the last seq_id it ran, then drops it from memory:
@@ -31,7 +32,8 @@ from scheduler.planner import Cycle
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers import store
-from workers.trainer.checkpoints import read_manifest
+from workers.trainer.checkpoints import TrainingState, read_manifest
+from scheduler.state_writer import StateWriter
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.errors import EngineError
 
@@ -86,6 +88,11 @@ class InProcessExecutor:
         self.live_dir = str(live_dir)
         self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
+        self.writer = StateWriter()
+
+    def close(self) -> None:
+        """Finish writing the durable states still queued."""
+        self.writer.close()
 
     def place(self, model_ids: set[str]) -> set[str]:
         """The models whose engine died since they last ran (never, in this process)."""
@@ -96,11 +103,17 @@ class InProcessExecutor:
     def _live_path(self, model_id: str) -> str:
         return store.join(self.live_dir, model_id)
 
-    def _persist(self, model_id: str, seq_id: int) -> None:
-        self.engine.save_state(model_id, self._live_path(model_id), extra={"seq_id": seq_id})
+    def _persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False) -> None:
+        """Write the model's state as of `seq_id`: before returning, or (wait=False) in the background
+        from a copy. Every write of a model goes through the writer, so none overtakes a newer one."""
+        state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients, copy=not wait)
+        self.writer.submit(model_id, self._live_path(model_id), state, {"seq_id": seq_id})
+        if wait:
+            self.writer.flush(model_id)
 
     def durable_seq(self, model_id: str) -> int | None:
         """The seq_id the model's durable state reflects, or None if it has none."""
+        self.writer.flush(model_id)
         manifest = read_manifest(self._live_path(model_id))
         return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
 
@@ -119,7 +132,7 @@ class InProcessExecutor:
             return
         last_seq = self._last_seq.pop(model_id, None)
         if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
-            self.engine.save_state(model_id, self._live_path(model_id), extra={"seq_id": last_seq}, with_gradients=True)
+            self._persist(model_id, last_seq, with_gradients=True)
         self.engine.delete_adapter(model_id)
 
     # --- cycles ----------------------------------------------------------------------------------
@@ -161,7 +174,7 @@ class InProcessExecutor:
             if isinstance(result, EngineError):
                 outcomes[job.request.id] = Outcome.failed(str(result), result.category)
                 continue
-            self._persist(job.request.model_id, job.request.seq_id)
+            self._persist(job.request.model_id, job.request.seq_id, wait=False)
             outcomes[job.request.id] = Outcome.json({"metrics": {f"{k}:mean": v for k, v in result.items()}})
         return outcomes
 

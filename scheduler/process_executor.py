@@ -30,7 +30,8 @@ def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: in
     while True:
         try:
             method, args = conn.recv()
-        except EOFError:
+        except EOFError:  # the parent closed us
+            executor.close()
             return
         try:
             conn.send(("ok", getattr(executor, method)(*args)))
@@ -78,7 +79,7 @@ class ProcessExecutor:
         return value
 
     def place(self, model_ids: set[str]) -> set[str]:
-        """Of these models, those a dead engine process held: their gradients must be replayed."""
+        """Of these models, those a dead engine process held: their work since their durable state must be replayed."""
         with self._lock:
             moved, self._lost = self._lost & model_ids, self._lost - model_ids
             return moved

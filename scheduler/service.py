@@ -98,14 +98,15 @@ class SchedulerService:
             # Local engines restarted with this process and lost their gradients; Celery workers
             # did not (a dead one's models are replayed when they move: see step).
             if self.executor.engines_restart_with_scheduler:
-                self._replay_lost_gradients(s)
+                self._replay_lost_work(s)
         self.wakeup.set()
         return len(rows)
 
-    def _replay_lost_gradients(self, s: Session, only: set[str] | None = None) -> None:
-        """Gradients of finished forward_backward requests after a model's last durable state lived
-        only in the old process (or a dead worker: `only` its models): recompute them (same
-        payloads, same weights -> same gradients)."""
+    def _replay_lost_work(self, s: Session, only: set[str] | None = None) -> None:
+        """What models finished after their last durable state lived only in the old process (or a
+        dead worker: `only` its models): the gradients of forward_backward requests and, where the
+        state writer had not caught up, optim_steps. Recompute them in seq_id order (same payloads,
+        same weights -> same results); their outcomes were stored already."""
         live = sa.select(TrainingModel).where(TrainingModel.deleted_at.is_(None))
         if only is not None:
             live = live.where(TrainingModel.id.in_(only))
@@ -115,15 +116,21 @@ class SchedulerService:
                 continue
             rows = s.scalars(
                 sa.select(Request).where(
-                    Request.model_id == model.id, Request.kind == "forward_backward",
+                    Request.model_id == model.id, Request.kind.in_(["forward_backward", "optim_step"]),
                     Request.state == RequestState.DONE, Request.seq_id > durable,
                     Request.seq_id <= model.last_applied_seq_id,
                 ).order_by(Request.seq_id)
             ).all()
             if rows:
-                log.info("replaying %d forward_backward requests of %s", len(rows), model.id)
-                replay = [queued(r) for r in rows]
-                self.executor.run_cycle(Cycle(forward_backward=replay), {q.id: Job(q, r.payload) for q, r in zip(replay, rows)})
+                log.info("replaying %d requests of %s", len(rows), model.id)
+            cycle, jobs = Cycle(), {}
+            for i, row in enumerate(rows):  # gradients accumulate over forward_backwards; an optim_step ends a cycle
+                q = queued(row)
+                (cycle.forward_backward if row.kind == "forward_backward" else cycle.optim_steps).append(q)
+                jobs[q.id] = Job(q, row.payload)
+                if row.kind == "optim_step" or i == len(rows) - 1:
+                    self.executor.run_cycle(cycle, jobs)
+                    cycle, jobs = Cycle(), {}
 
     def _drain_inbox(self, s: Session) -> int:
         drained = 0
@@ -164,7 +171,7 @@ class SchedulerService:
         moved = self.executor.place({q.model_id for q in requests})
         if moved:  # their worker (or engine process) died: rebuild the gradients it held there, first
             with self.sessions() as s:
-                self._replay_lost_gradients(s, only=moved)
+                self._replay_lost_work(s, only=moved)
         # No "running" commit here: it would cost a database write per cycle on the latency path,
         # and recovery re-runs pending and running requests alike. started_at is stored with the outcome.
         started_at = utcnow()

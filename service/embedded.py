@@ -50,8 +50,8 @@ class EmbeddedServer:
         self.scheduler.stop()
         if self.sampling is not None:
             self.sampling.close()
-        if isinstance(self.executor, ProcessExecutor):
-            self.executor.close()
+        if isinstance(self.executor, (InProcessExecutor, ProcessExecutor)):
+            self.executor.close()  # (an in-process one finishes writing durable states)
 
 
 def build_sampling(settings: Settings, info, sessions, notifier: Notifier) -> tuple[SamplingDispatcher | None, str]:

@@ -44,6 +44,12 @@ def _start(sender=None, **_) -> None:
     register_worker(client, sender, worker_key, info.name, lambda: {"adapters": sorted(executor.engine.adapters)})
 
 
+@signals.worker_shutdown.connect
+def _finish_writes(**_) -> None:
+    if "executor" in _state:
+        _state["executor"].close()  # the durable states still queued
+
+
 def _reply(key: str, outcomes) -> str:
     out_key = f"{key}:outcomes"
     client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)

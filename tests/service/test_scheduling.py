@@ -192,6 +192,44 @@ def test_restart_with_pending_work_completes_it(server, tmp_path):
         second.stop()
 
 
+def test_acknowledged_optim_steps_whose_state_was_not_written_are_replayed(server, tmp_path):
+    """The durable state is written in the background after an optim_step; a process that dies
+    before writing it loses nothing acknowledged: the restart replays those steps."""
+    settings = server.settings.model_copy(update={"data_dir": tmp_path, "port": free_port(), "database_url": "",
+                                                  "engine_process": False})  # its writer in reach
+    first = ServerThread(settings)
+    key = first.new_tenant()
+    client = tinker.ServiceClient(base_url=first.base_url, api_key=key)
+    tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    first.embedded.executor.writer.submit = lambda *args, **kwargs: None  # dies before any later write
+    for seed in (0, 1):
+        tc.forward_backward(sft_data(seed), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    tc.forward_backward(sft_data(2), "cross_entropy").result()  # a gradient pending at the "crash"
+    assert first.embedded.executor.durable_seq(tc.model_id) == 0  # only create_model's (seq_id 0) was written
+    first.stop()
+
+    second = ServerThread(settings.model_copy(update={"port": free_port()}))
+    try:
+        with http_client(second, key) as http:  # one more step: it needs the replayed pending gradient too
+            opt = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 6,
+                                                         "adam_params": {"learning_rate": 0.01}})
+            assert "metrics" in wait_result(http, opt.json()["request_id"]).json()
+            save = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "seq_id": 7, "path": "after"})
+            saved_path = wait_result(http, save.json()["request_id"]).json()["path"]
+        client = tinker.ServiceClient(base_url=second.base_url, api_key=key)
+        restarted = client.create_training_client_from_state(saved_path).result()
+        reference = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+        for seed in (0, 1, 2):
+            reference.forward_backward(sft_data(seed), "cross_entropy").result()
+            reference.optim_step(types.AdamParams(learning_rate=0.01)).result()
+        want = reference.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
+        got = restarted.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
+        assert got == pytest.approx(want, rel=1e-5)
+    finally:
+        second.stop()
+
+
 def test_oversized_and_malformed_bodies_are_refused_with_the_field(server):
     with http_client(server, server.new_tenant()) as http:
         huge = b"\0" * (server.settings.max_request_bytes + 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,34 +119,57 @@ def read_snapshot_metadata(path: str | Path) -> dict | None:
 # --- training state ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TrainingState:
+    """An adapter's training state, detached from the adapter: safe to write while it trains on."""
+
+    adapter_id: str
+    lora_config: dict
+    step: int
+    tensors: dict[str, torch.Tensor]  # weight/<name>, exp_avg/<name>, exp_avg_sq/<name>, grad/<name>
+
+    @classmethod
+    def capture(cls, adapter: Adapter, *, with_gradients: bool = False, copy: bool = False) -> "TrainingState":
+        """Weights, Adam moments and step; `with_gradients` adds the gradients accumulated since the
+        last optim_step (the adapter's full state, for moving it). `copy` clones the tensors, so the
+        state stays as it is now while the adapter trains on."""
+        tensors = {}
+
+        def put(key: str, tensor: torch.Tensor) -> None:
+            tensor = tensor.detach().cpu().contiguous()
+            tensors[key] = tensor.clone() if copy else tensor
+
+        for name, p in adapter.named_parameters():
+            put(f"weight/{name}", p)
+            if with_gradients and p.grad is not None:
+                put(f"grad/{name}", p.grad)
+            if state := adapter.adam_state.get(p):
+                put(f"exp_avg/{name}", state["exp_avg"])
+                put(f"exp_avg_sq/{name}", state["exp_avg_sq"])
+        return cls(adapter.id, adapter.config.to_dict(), adapter.step, tensors)
+
+    def write(self, path: str | Path, extra: dict | None = None) -> str | Path:
+        """Write atomically to `path`; `extra` is kept in the manifest (e.g. the seq_id it reflects)."""
+        with store.writing(path) as tmp:
+            save_file(self.tensors, tmp / STATE_TENSORS)
+            manifest = {
+                "format": STATE_FORMAT,
+                "adapter_id": self.adapter_id,
+                "lora_config": self.lora_config,
+                "step": self.step,
+                "has_optimizer_state": any(k.startswith("exp_avg/") for k in self.tensors),
+                "has_gradients": any(k.startswith("grad/") for k in self.tensors),
+                "tensors_sha256": _sha256(tmp / STATE_TENSORS),
+                "extra": extra or {},
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        return path
+
+
 def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None = None, *,
                         with_gradients: bool = False) -> str | Path:
-    """Save weights, Adam moments and step; `extra` is kept in the manifest (e.g. the seq_id it
-    reflects). `with_gradients` adds the gradients accumulated since the last optim_step: the
-    adapter's full state, for moving it to another worker."""
-    tensors = {}
-    for name, p in adapter.named_parameters():
-        tensors[f"weight/{name}"] = p.detach().cpu().contiguous()
-        if with_gradients and p.grad is not None:
-            tensors[f"grad/{name}"] = p.grad.detach().cpu().contiguous()
-        state = adapter.adam_state.get(p)
-        if state:
-            tensors[f"exp_avg/{name}"] = state["exp_avg"].detach().cpu().contiguous()
-            tensors[f"exp_avg_sq/{name}"] = state["exp_avg_sq"].detach().cpu().contiguous()
-    with store.writing(path) as tmp:
-        save_file(tensors, tmp / STATE_TENSORS)
-        manifest = {
-            "format": STATE_FORMAT,
-            "adapter_id": adapter.id,
-            "lora_config": adapter.config.to_dict(),
-            "step": adapter.step,
-            "has_optimizer_state": any(k.startswith("exp_avg/") for k in tensors),
-            "has_gradients": any(k.startswith("grad/") for k in tensors),
-            "tensors_sha256": _sha256(tmp / STATE_TENSORS),
-            "extra": extra or {},
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return path
+    """Save weights, Adam moments and step (and with_gradients, the pending gradients) now."""
+    return TrainingState.capture(adapter, with_gradients=with_gradients).write(path, extra)
 
 
 def read_manifest(path: str | Path) -> dict | None:

@@ -1,0 +1,60 @@
+"""The background writer of durable training states: newest state wins, flush waits for it."""
+
+import threading
+
+import torch
+
+from scheduler.state_writer import StateWriter
+from workers.trainer.checkpoints import TrainingState, read_manifest
+
+
+class HeldState(TrainingState):
+    """A real training state whose write waits until the test lets it go."""
+
+    started: threading.Event
+    release: threading.Event
+
+    def write(self, path, extra=None):
+        self.started.set()
+        self.release.wait(timeout=30)
+        return super().write(path, extra)
+
+
+def state(step: int, release: threading.Event | None = None) -> TrainingState:
+    tensors = {"weight/layer.lora_A": torch.full((2, 3), float(step))}
+    if release is None:
+        return TrainingState("m", {"rank": 2}, step, tensors)
+    held = HeldState("m", {"rank": 2}, step, tensors)
+    object.__setattr__(held, "started", threading.Event())
+    object.__setattr__(held, "release", release)
+    return held
+
+
+def test_a_newer_state_replaces_one_still_waiting_and_flush_waits_for_it(tmp_path):
+    writer = StateWriter()
+    release = threading.Event()
+    first = state(1, release)
+    writer.submit("m", tmp_path / "m", first, {"seq_id": 1})
+    assert first.started.wait(30)  # being written, held
+    writer.submit("m", tmp_path / "m", state(2), {"seq_id": 2})  # waits ...
+    writer.submit("m", tmp_path / "m", state(3), {"seq_id": 3})  # ... and is replaced by this one
+    writer.submit("other", tmp_path / "other", state(7), {"seq_id": 7})
+
+    flushed = threading.Event()
+    threading.Thread(target=lambda: (writer.flush("m"), flushed.set())).start()
+    assert not flushed.wait(0.3)  # step 1 is still being written
+    release.set()
+    assert flushed.wait(30)
+    assert read_manifest(tmp_path / "m")["extra"] == {"seq_id": 3}
+    writer.close()  # writes what is still queued
+    assert read_manifest(tmp_path / "other")["step"] == 7
+
+
+def test_a_failed_write_is_logged_and_the_writer_goes_on(tmp_path, caplog):
+    writer = StateWriter()
+    (tmp_path / "file").write_text("not a folder")
+    writer.submit("bad", tmp_path / "file" / "m", state(1), {"seq_id": 1})
+    writer.submit("good", tmp_path / "good", state(2), {"seq_id": 2})
+    writer.close()
+    assert "writing the training state of bad failed" in caplog.text
+    assert read_manifest(tmp_path / "good")["step"] == 2
