@@ -177,19 +177,26 @@ def test_restart_with_pending_work_completes_it(server, tmp_path):
         with http_client(second, key) as http:
             assert "metrics" in wait_result(http, opt.json()["request_id"]).json()
             assert wait_result(http, fwd.json()["request_id"]).status_code == 200
-            save = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "seq_id": 4, "path": "after"})
-            saved_path = wait_result(http, save.json()["request_id"]).json()["path"]
-        client = tinker.ServiceClient(base_url=second.base_url, api_key=key)
-        restarted = client.create_training_client_from_state(saved_path).result()
-        # the same steps without a restart give the same model
-        reference = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
-        reference.forward_backward(sft_data(0), "cross_entropy").result()
-        reference.optim_step(types.AdamParams(learning_rate=0.01)).result()
-        want = reference.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
-        got = restarted.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
-        assert got == pytest.approx(want, rel=1e-5)
+        assert_same_as_uninterrupted(second, key, tc.model_id, 4, seeds=[0])
     finally:
         second.stop()
+
+
+def assert_same_as_uninterrupted(server, key: str, model_id: str, save_seq_id: int, seeds: list[int]) -> None:
+    """The model, saved at `save_seq_id`, equals a fresh one (rank 4, seed 5) trained without a restart:
+    forward_backward(sft_data(seed)) + optim_step(lr 0.01) per seed."""
+    with http_client(server, key) as http:
+        save = http.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": save_seq_id, "path": "after"})
+        saved_path = wait_result(http, save.json()["request_id"]).json()["path"]
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    restarted = client.create_training_client_from_state(saved_path).result()
+    reference = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    for seed in seeds:
+        reference.forward_backward(sft_data(seed), "cross_entropy").result()
+        reference.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    want = reference.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
+    got = restarted.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_acknowledged_optim_steps_whose_state_was_not_written_are_replayed(server, tmp_path):
@@ -215,17 +222,7 @@ def test_acknowledged_optim_steps_whose_state_was_not_written_are_replayed(serve
             opt = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 6,
                                                          "adam_params": {"learning_rate": 0.01}})
             assert "metrics" in wait_result(http, opt.json()["request_id"]).json()
-            save = http.post("/api/v1/save_weights", json={"model_id": tc.model_id, "seq_id": 7, "path": "after"})
-            saved_path = wait_result(http, save.json()["request_id"]).json()["path"]
-        client = tinker.ServiceClient(base_url=second.base_url, api_key=key)
-        restarted = client.create_training_client_from_state(saved_path).result()
-        reference = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
-        for seed in (0, 1, 2):
-            reference.forward_backward(sft_data(seed), "cross_entropy").result()
-            reference.optim_step(types.AdamParams(learning_rate=0.01)).result()
-        want = reference.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
-        got = restarted.forward(sft_data(9), "cross_entropy").result().metrics["loss:sum"]
-        assert got == pytest.approx(want, rel=1e-5)
+        assert_same_as_uninterrupted(second, key, tc.model_id, 7, seeds=[0, 1, 2])
     finally:
         second.stop()
 
