@@ -2,7 +2,7 @@
 
 After an optim_step the executor captures a copy of the adapter's state (a memory copy) and
 returns the outcome at once; this thread writes the copy to the store. Writing on the request's
-path cost 3.4 ms of a `tiny` round and ~45 ms per SmolLM2 step. A model's newer state replaces
+path cost 3.4 ms of a `tiny` round and 45-78 ms per SmolLM2 step. A model's newer state replaces
 an older one still waiting. Until it is written the model's durable seq_id is the last written
 one, and after a restart (or a dead worker) the scheduler replays the acknowledged requests after
 it from the database (scheduler/service.py): nothing acknowledged is lost, only recomputed.
