@@ -136,8 +136,8 @@ class TrainingState:
         tensors = {}
 
         def put(key: str, tensor: torch.Tensor) -> None:
-            tensor = tensor.detach().cpu().contiguous()
-            tensors[key] = tensor.clone() if copy else tensor
+            host = tensor.detach().cpu().contiguous()  # a copy already unless it was a contiguous CPU tensor
+            tensors[key] = host.clone() if copy and host.data_ptr() == tensor.data_ptr() else host
 
         for name, p in adapter.named_parameters():
             put(f"weight/{name}", p)
