@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from api.quotas import check_concurrency
 from db.models import Request, new_id
-from scheduler.ordering import QueuedRequest
+from scheduler.ordering import REJECTED, QueuedRequest
 
 
 def submit(
@@ -48,9 +48,6 @@ def submit(
     else:
         http.app.state.scheduler.submit(QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens))
     return {"request_id": row.id, "model_id": model_id}
-
-
-REJECTED = "rejected"  # the scheduler only skips its seq_id (scheduler/executor.py)
 
 
 @contextmanager

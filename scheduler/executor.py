@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.wire.codec import decode_forward_backward_request, encode_forward_backward_output
-from scheduler.ordering import QueuedRequest
+from scheduler.ordering import REJECTED, QueuedRequest
 from scheduler.planner import Cycle
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
@@ -190,7 +190,7 @@ class InProcessExecutor:
     def _other(self, job: Job) -> Outcome:
         body = json.loads(job.payload)
         model_id, kind = job.request.model_id, job.request.kind
-        if kind == "rejected":  # refused at the door: only its seq_id passes, nothing runs
+        if kind == REJECTED:  # only its seq_id passes, nothing runs
             return Outcome.failed(body["error"], body["category"])
         if kind == "create_model":
             self.engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))

@@ -4,6 +4,10 @@ The Tinker SDK numbers a model's operations 1, 2, 3, ... and may send them out o
 chunks of a large forward_backward go concurrently, first chunk last). Creation (create_model or
 a create-via-load) is seq 0. A request is runnable only when every earlier seq_id of its model
 has finished, successfully or not: a failed request never blocks the next one.
+
+A seq_id that never arrives (a request refused before its body was read, e.g. 413 for its
+size, or lost by the client) would hold its model's later requests forever: `stalled` reports
+such gaps once later requests have waited behind them for a while, and the scheduler skips them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from dataclasses import dataclass
 # Operations that only read weights and add to gradients: consecutive ones of one model commute
 # with each other, so a run of them can share one engine call.
 BATCHABLE_KINDS = ("forward_backward", "forward")
+# A request refused at the door, or a seq_id that never arrived: it runs nothing, only passes its
+# seq_id, with its recorded error as the outcome (scheduler/executor.py).
+REJECTED = "rejected"
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class ReorderBuffer:
         self._waiting: dict[str, dict[int, QueuedRequest]] = {}  # model -> seq_id -> request
         self._next_seq: dict[str, int] = {}  # model -> next seq_id to run
         self._running: dict[str, set[int]] = {}  # models with requests in flight -> their seq_ids
+        self._gap_seen: dict[str, tuple[int, float]] = {}  # model -> (missing next seq_id, first seen at)
 
     def add(self, request: QueuedRequest, next_seq: int | None = None) -> None:
         """Queue a request; `next_seq` tells a model's position the first time it is seen."""
@@ -41,6 +49,9 @@ class ReorderBuffer:
         if request.seq_id in self._running.get(request.model_id, ()):
             return  # a second copy of a request in flight (it may arrive twice around a restart)
         self._waiting.setdefault(request.model_id, {})[request.seq_id] = request
+
+    def next_seq(self, model_id: str) -> int:
+        return self._next_seq[model_id]
 
     def knows(self, model_id: str) -> bool:
         return model_id in self._next_seq
@@ -65,6 +76,22 @@ class ReorderBuffer:
             ready[model_id] = run
         return ready
 
+    def stalled(self, now: float, after_seconds: float) -> list[QueuedRequest]:
+        """Models whose next seq_id has been missing for `after_seconds` while later ones wait:
+        for each, the first request waiting behind the gap."""
+        stalled = []
+        for model_id, waiting in self._waiting.items():
+            seq = self._next_seq[model_id]
+            if model_id in self._running or not waiting or seq in waiting:
+                self._gap_seen.pop(model_id, None)
+                continue
+            gap = self._gap_seen.get(model_id)
+            if gap is None or gap[0] != seq:
+                self._gap_seen[model_id] = gap = (seq, now)
+            if now - gap[1] >= after_seconds:
+                stalled.append(waiting[min(waiting)])
+        return stalled
+
     def start(self, requests: list[QueuedRequest]) -> None:
         """Mark requests as dispatched; their model runs nothing else until `finish`."""
         for r in requests:
@@ -82,6 +109,7 @@ class ReorderBuffer:
         self._waiting.pop(model_id, None)
         self._next_seq.pop(model_id, None)
         self._running.pop(model_id, None)
+        self._gap_seen.pop(model_id, None)
 
     def __len__(self) -> int:
         return sum(len(w) for w in self._waiting.values())

@@ -3,11 +3,14 @@
 The API stores each accepted request (state "pending") and calls `submit`. The loop keeps a
 reorder buffer per model, plans a fair cycle across tenants, hands it to the executor, stores every
 outcome, advances each model's applied seq_id and wakes the API's long-polls. On start it reloads
-every unfinished request from the database, so a restart loses no accepted work.
+every unfinished request from the database, so a restart loses no accepted work. A seq_id that
+has not arrived `seq_gap_seconds` after a later one of its model is recorded as a failed request
+("never arrived") and skipped, so the model goes on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -15,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from datetime import timedelta
@@ -23,7 +27,7 @@ from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 from scheduler import metrics
 from scheduler.executor import Job, Outcome
 from scheduler.notify import Notifier
-from scheduler.ordering import QueuedRequest, ReorderBuffer
+from scheduler.ordering import REJECTED, QueuedRequest, ReorderBuffer
 from scheduler.planner import Cycle, CyclePlanner
 from scheduler.sampling import SAMPLE
 
@@ -60,7 +64,7 @@ def queued(row: Request) -> QueuedRequest:
 class SchedulerService:
     def __init__(
         self, sessions: sessionmaker[Session], executor, token_budget: int, notifier: Notifier,
-        gather_seconds: float = 0.0,
+        gather_seconds: float = 0.0, seq_gap_seconds: float = 60.0,
     ) -> None:
         self.sessions = sessions
         self.executor = executor
@@ -73,6 +77,7 @@ class SchedulerService:
         # After idling, wait this long before planning, so requests that several tenants send at
         # about the same time share a cycle (the price: this much latency on an idle server).
         self.gather_seconds = gather_seconds
+        self.seq_gap_seconds = seq_gap_seconds
         self._idle = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -151,6 +156,26 @@ class SchedulerService:
             except ValueError:
                 log.warning("dropping %s: seq_id %s of %s already ran", request.id, request.seq_id, request.model_id)
 
+    def _skip_stalled_gaps(self, s: Session) -> None:
+        """Record each long-missing seq_id as a failed request ("rejected": it only passes its seq_id).
+        If it arrived meanwhile, the unique (model_id, seq_id) keeps the real one: it is in the inbox."""
+        for behind in self.buffer.stalled(time.monotonic(), self.seq_gap_seconds):
+            seq = self.buffer.next_seq(behind.model_id)
+            message = (f"seq_id {seq}: never arrived; seq_id {behind.seq_id} waited {self.seq_gap_seconds:g} s "
+                       "behind it (a request refused before it was read, e.g. 413 for its size, leaves such a gap), "
+                       "so it was skipped")
+            row = Request(tenant_id=behind.tenant_id, model_id=behind.model_id, seq_id=seq, kind=REJECTED,
+                          payload=json.dumps({"error": message, "category": "user"}).encode(),
+                          payload_content_type="application/json")
+            s.add(row)
+            try:
+                s.commit()
+            except IntegrityError:
+                s.rollback()
+                continue
+            log.warning("%s: %s", behind.model_id, message)
+            self.buffer.add(queued(row))
+
     # --- running ---------------------------------------------------------------------------------
 
     def step(self) -> bool:
@@ -159,6 +184,7 @@ class SchedulerService:
             if self._drain_inbox(s) and self._idle and self.gather_seconds:
                 time.sleep(self.gather_seconds)  # the first arrival after idling waits for its peers
                 self._drain_inbox(s)
+            self._skip_stalled_gaps(s)
             cycle = self.planner.plan(self.buffer.runnable())
             self._idle = not cycle
             if not cycle:

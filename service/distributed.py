@@ -63,7 +63,7 @@ class SchedulerProcess:
         publisher = FinishedPublisher(client)
         executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
         self.scheduler = SchedulerService(self.sessions, executor, settings.cycle_token_budget, publisher,
-                                          settings.cycle_gather_seconds)
+                                          settings.cycle_gather_seconds, settings.seq_gap_seconds)
         self.sampling = None
         if settings.sampler_enabled:
             from scheduler.remote_sampler import RemoteSamplerEngine

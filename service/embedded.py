@@ -82,7 +82,7 @@ def build(settings: Settings) -> EmbeddedServer:
                                      settings.max_resident_adapters)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
-                                 settings.cycle_gather_seconds)
+                                 settings.cycle_gather_seconds, settings.seq_gap_seconds)
     sampling, unavailable = build_sampling(settings, info, sessions, notifier)
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
                      model_info=info, sampling_dispatcher=sampling, sampling_unavailable=unavailable)

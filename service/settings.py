@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
     max_request_bytes: int = 64 * 1024 * 1024
+    seq_gap_seconds: float = Field(60.0, description="a model's missing seq_id is skipped (recorded as failed) "
+                                   "once a later one has waited this long behind it")
 
     # Distributed trainer workers: "local" runs cycles in this process (or its child, with
     # engine_process); "celery" sends them to Celery trainer workers (workers/celery_worker.py).

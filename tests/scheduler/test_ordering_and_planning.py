@@ -56,6 +56,27 @@ def test_a_failed_request_does_not_block_the_next():
     assert [r.seq_id for r in buf.runnable()["m"]] == [2]
 
 
+def test_a_gap_is_reported_once_later_requests_waited_long_enough_behind_it():
+    buf = ReorderBuffer()
+    buf.add(req("m", 1), next_seq=1)
+    assert buf.stalled(now=0.0, after_seconds=10) == []  # no gap: seq 1 is there
+    buf.start(run := buf.runnable()["m"])
+    buf.finish(run)
+    buf.add(req("m", 3))  # seq 2 missing
+    assert buf.stalled(now=100.0, after_seconds=10) == []  # the clock starts when the gap is first seen
+    assert buf.stalled(now=109.0, after_seconds=10) == []
+    assert buf.stalled(now=110.0, after_seconds=10) == [req("m", 3)]
+    buf.add(req("m", 2))  # it arrived after all: no gap
+    assert buf.stalled(now=200.0, after_seconds=10) == []
+    buf.start(run := buf.runnable()["m"])
+    assert [r.seq_id for r in run] == [2, 3]
+    assert buf.stalled(now=300.0, after_seconds=10) == []  # nothing waits while it runs
+    buf.finish(run)
+    buf.add(req("m", 5))  # a new gap restarts the clock
+    assert buf.stalled(now=301.0, after_seconds=10) == []
+    assert buf.stalled(now=311.0, after_seconds=10) == [req("m", 5)] and buf.next_seq("m") == 4
+
+
 def test_a_seq_id_that_already_ran_is_refused():
     buf = ReorderBuffer()
     buf.add(req("m", 1), next_seq=1)

@@ -38,11 +38,13 @@ def proto_body(model_id: str, seq_id: int, data: list[types.Datum], loss_fn: str
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
-def wait_result(http: httpx.Client, request_id: str) -> httpx.Response:
-    while True:
+def wait_result(http: httpx.Client, request_id: str, timeout: float = 120) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
         if r.headers["content-type"].startswith("application/x-protobuf") or "try_again" not in r.text:
             return r
+    raise AssertionError(f"request {request_id} did not finish within {timeout} s")
 
 
 def http_client(server, key: str) -> httpx.Client:
@@ -109,6 +111,28 @@ def test_out_of_order_seq_ids_run_in_order_and_retries_dedupe(server):
     with server.embedded.sessions() as s:
         rows = {r.seq_id: r for r in s.scalars(sa.select(Request).where(Request.model_id == model_id, Request.seq_id > 0))}
     assert len(rows) == 2 and rows[1].started_at <= rows[2].started_at
+
+
+def test_a_seq_id_that_never_arrives_is_skipped_after_a_while(server):
+    """E.g. a forward_backward refused with 413 before its body (and seq_id) was read."""
+    client = tinker.ServiceClient(base_url=server.base_url, api_key=(key := server.new_tenant()))
+    model_id = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result().model_id
+    scheduler = server.embedded.scheduler
+    gap_seconds, scheduler.seq_gap_seconds = scheduler.seq_gap_seconds, 1.5
+    try:
+        with http_client(server, key) as http:
+            started = time.monotonic()
+            third = http.post("/api/v1/forward_backward", content=proto_body(model_id, 3, sft_data(3)), headers=PROTOBUF)
+            second = http.post("/api/v1/forward_backward", content=proto_body(model_id, 2, sft_data(2)), headers=PROTOBUF)
+            assert wait_result(http, third.json()["request_id"], timeout=30).status_code == 200
+            assert time.monotonic() - started >= 1.5
+            assert wait_result(http, second.json()["request_id"]).status_code == 200
+            # the missing seq_id 1 failed; if it arrives late, it finds that failure
+            late = http.post("/api/v1/forward_backward", content=proto_body(model_id, 1, sft_data(1)), headers=PROTOBUF)
+            error = wait_result(http, late.json()["request_id"]).json()
+            assert error["category"] == "user" and "seq_id 1: never arrived" in error["error"]
+    finally:
+        scheduler.seq_gap_seconds = gap_seconds
 
 
 def test_a_request_failing_inside_a_shared_batch_fails_alone(server):
