@@ -188,6 +188,36 @@ def test_a_missing_snapshot_fails_alone(engine, snapshots, tmp_path):
     assert isinstance(results["fine"], SampleResult)
 
 
+def test_a_slow_snapshot_download_does_not_hold_up_other_samples(engine, snapshots, webdav_store, monkeypatch):
+    """A snapshot on a remote store downloads off the engine thread: while its download is held
+    up, other tenants' and base-model samples finish; then its own job samples that snapshot."""
+    from workers import store
+
+    remote = store.join(webdav_store(), "alice-v1")
+    with store.writing(remote) as folder:
+        shutil.copytree(snapshots["alice"], folder, dirs_exist_ok=True)
+    release, download = threading.Event(), store.local_folder
+
+    def slow_download(location):
+        if location == remote:
+            assert release.wait(120), "the test never released the download"
+        return download(location)
+
+    monkeypatch.setattr(store, "local_folder", slow_download)
+    remote_done = threading.Event()
+    remote_result = {}
+    engine.submit(job("remote", remote), lambda request_id, outcome: (remote_result.update(r=outcome), remote_done.set()))
+    try:
+        others = run(engine, [job("other-tenant", snapshots["bob"]), job("base", None)])
+        assert all(isinstance(r, SampleResult) for r in others.values())
+        assert not remote_done.is_set()
+    finally:
+        release.set()
+    assert remote_done.wait(120), "the remote snapshot's job did not finish"
+    expected = run(engine, [job("local", snapshots["alice"])])["local"].sequences[0].tokens
+    assert remote_result["r"].sequences[0].tokens == expected
+
+
 def test_more_snapshots_than_slots_are_evicted_and_reloaded(engine, snapshots, tmp_path):
     """Copies of the snapshots are new versions (new paths): four versions through two slots."""
     versions = {}

@@ -7,7 +7,8 @@ never mixes versions), loaded on first use without a restart; vLLM keeps `max_lo
 in a batch and evicts the least recently used beyond `max_cpu_loras`.
 
 The engine starts in the background: `submit` queues jobs until it is ready, so the API
-answers from the first second.
+answers from the first second. A snapshot on a remote store is downloaded on a thread of its own
+while its jobs wait, so one tenant's download never stalls everyone's sampling.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -129,6 +131,11 @@ class SamplerEngine:
         PENDING.set_function(lambda: self._pending)  # vLLM allows one engine per process: this one
         self._pending_lock = threading.Lock()
         self._loras: dict = {}  # snapshot location -> its vLLM LoRARequest (the local folder vLLM loaded)
+        # remote snapshots: downloads in flight (location -> jobs waiting for it), finished ones
+        self._downloads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="snapshot-download")
+        self._downloading: dict[str, list[tuple[SampleJob, Callback]]] = {}
+        self._downloaded: queue.SimpleQueue[tuple[str, Path | None | Exception]] = queue.SimpleQueue()
+        self._folders: dict[str, Path] = {}  # remote location -> its local copy
         self._next_lora_id = itertools.count(1)  # never reused: vLLM keys loaded adapters by id
         self._engine = None
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
@@ -150,6 +157,7 @@ class SamplerEngine:
         distributed groups): one engine per process at a time, closed before the next starts."""
         self._stop.set()
         self._wakeup.set()
+        self._downloads.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=30)
         if self._engine is not None:
             self._engine.engine_core.shutdown()
@@ -209,7 +217,7 @@ class SamplerEngine:
 
         if location in self._loras:
             return self._loras[location]
-        folder = store.local_folder(location)
+        folder = self._folders.get(location) or store.local_folder(location)
         if folder is None:
             raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({location})")
         lora_id = next(self._next_lora_id)
@@ -218,8 +226,47 @@ class SamplerEngine:
         self._loras[location] = request
         return request
 
+    def _needs_download(self, location: str | None) -> bool:
+        return bool(location) and store.is_remote(location) and location not in self._loras \
+            and location not in self._folders
+
+    def _download(self, location: str) -> None:
+        """On a download thread: fetch a remote snapshot, then hand it to the engine thread."""
+        try:
+            result = store.local_folder(location)
+        except Exception as e:
+            log.warning("downloading snapshot %s failed: %s", location, e)
+            result = e
+        self._downloaded.put((location, result))
+        self._wakeup.set()
+
+    def _resume_downloaded(self) -> None:
+        """Jobs whose snapshot download finished: add them, or fail them if it did not arrive."""
+        while True:
+            try:
+                location, result = self._downloaded.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(result, Path):
+                self._folders[location] = result
+            for job, on_done in self._downloading.pop(location, []):
+                if result is None:
+                    self._finish(job.request_id, InvalidInputError(
+                        "sampling_session_id", f"the snapshot's weights are gone ({location})"))
+                elif isinstance(result, Exception):
+                    self._finish(job.request_id, EngineError(f"sampling failed: downloading the snapshot: {result}"))
+                else:
+                    self._add(job, on_done)
+
     def _add(self, job: SampleJob, on_done: Callback) -> None:
         self._callbacks[job.request_id] = (job, on_done)
+        if self._needs_download(job.adapter_path):
+            waiting = self._downloading.get(job.adapter_path)
+            if waiting is None:
+                waiting = self._downloading[job.adapter_path] = []
+                self._downloads.submit(self._download, job.adapter_path)
+            waiting.append((job, on_done))
+            return
         try:
             lora = self._lora_request(job.adapter_path) if job.adapter_path else None
             self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
@@ -268,6 +315,7 @@ class SamplerEngine:
                     self._finish(output.request_id, outcome)
 
     def _drain(self) -> None:
+        self._resume_downloaded()
         while True:
             try:
                 job, on_done = self._inbox.get_nowait()
