@@ -60,7 +60,7 @@ class RemoteSampling:
         self.max_pending = max_pending
 
     def check_capacity(self) -> None:
-        if not live_registrations(self.inbox.redis, sampler_key("*"), self.base_model):
+        if not live_registrations(self.inbox.redis, sampler_key, self.base_model):
             raise SamplerUnavailable(f"no sampler worker serving {self.base_model!r} is running")
         with self.sessions() as s:
             pending = s.scalar(sa.select(sa.func.count()).select_from(Request).where(

@@ -54,7 +54,7 @@ class CeleryExecutor:
     # --- workers and placement -------------------------------------------------------------------
 
     def live_workers(self) -> dict[str, dict]:
-        return live_registrations(self.redis, worker_key("*"), self.base_model)
+        return live_registrations(self.redis, worker_key, self.base_model)
 
     def _wait_for_workers(self) -> dict[str, dict]:
         deadline = time.monotonic() + self.wait_for_worker_seconds

@@ -88,7 +88,7 @@ class RemoteSamplerEngine:
             self._wakeup.wait(timeout=HEARTBEAT_SECONDS)
             self._wakeup.clear()
             try:
-                live = live_registrations(self.redis, sampler_key("*"), self.base_model)  # one scan per round
+                live = live_registrations(self.redis, sampler_key, self.base_model)
                 self._resend_from_dead_workers(live)
                 self._send_waiting(live)
             except Exception:  # Redis away for a moment: jobs stay where they are

@@ -19,6 +19,9 @@ EVICT_TASK = "loraplex.evict"  # trainer workers: write adapters' full state to 
 SAMPLE_TASK = "loraplex.sample"  # sampler workers: start one sample job stored in Redis
 HEARTBEAT_SECONDS = 1.0
 HEARTBEAT_TTL_SECONDS = 5  # a worker silent this long is dead
+# A set of the registration keys in use: finding the live workers reads these few keys instead of
+# SCANning every key in Redis (outcomes and cycles are keys too: a scan grew with the traffic).
+REGISTRY = "loraplex:registrations"
 RESULT_TTL_SECONDS = 3600  # cycles and outcomes left in Redis by a crash expire
 
 
@@ -46,11 +49,22 @@ def sample_outcome_key(request_id: str) -> str:
     return f"loraplex:sample-outcome:{request_id}"
 
 
-def live_registrations(client, pattern: str, base_model: str) -> dict[str, dict]:
-    """Registrations matching `pattern` (e.g. worker_key("*")) of workers serving `base_model`."""
-    records = [client.get(key) for key in client.scan_iter(pattern)]
+def live_registrations(client, key: Callable[[str], str], base_model: str) -> dict[str, dict]:
+    """The live registrations under `key` (worker_key or sampler_key) of workers serving `base_model`.
+    Expired ones leave REGISTRY here (a worker that beats again re-adds its key)."""
+    prefix = key("").encode()
+    names = [name for name in client.smembers(REGISTRY) if name.startswith(prefix)]
+    records = client.mget(names) if names else []
+    expired = [name for name, record in zip(names, records) if record is None]
+    if expired:
+        client.srem(REGISTRY, *expired)
     workers = [json.loads(r) for r in records if r]
     return {w["worker_id"]: w for w in workers if w["base_model"] == base_model and w["queues"]}
+
+
+def heartbeat(client, key: str, record: dict) -> None:
+    """Write a registration for HEARTBEAT_TTL_SECONDS, its key listed in REGISTRY."""
+    client.pipeline().set(key, json.dumps(record), ex=HEARTBEAT_TTL_SECONDS).sadd(REGISTRY, key).execute()
 
 
 def start_heartbeat(client, key: str, record: Callable[[], dict]) -> None:
@@ -60,8 +74,7 @@ def start_heartbeat(client, key: str, record: Callable[[], dict]) -> None:
     def beat() -> None:
         while True:
             try:
-                client.set(key, json.dumps(record() | {"pid": os.getpid(), "time": time.time()}),
-                           ex=HEARTBEAT_TTL_SECONDS)
+                heartbeat(client, key, record() | {"pid": os.getpid(), "time": time.time()})
             except Exception:  # Redis away for a moment: the next beat tries again
                 log.exception("heartbeat failed")
             time.sleep(HEARTBEAT_SECONDS)
