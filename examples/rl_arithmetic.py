@@ -28,7 +28,7 @@ import random
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -91,10 +91,12 @@ class Run:
     def prompt(self, problem: Problem) -> list[int]:
         return chat_prompt(self.tokenizer, problem.question)
 
-    def request_samples(self, problems: list[Problem]) -> list:
-        """Sample futures for every problem from the newest snapshot (answered while we go on)."""
+    def request_samples(self, problems: list[Problem], rng: random.Random) -> list:
+        """Sample futures for every problem from the newest snapshot (answered while we go on), each
+        request seeded from `rng`: a run with the same seed samples the same groups."""
         return [(p, self.prompt(p), self.sampler.sample(types.ModelInput.from_ints(self.prompt(p)), self.group_size,
-                                                        self.params)) for p in problems]
+                                                        replace(self.params, seed=rng.randrange(2**31))))
+                for p in problems]
 
     def accuracy(self, problems: list[Problem]) -> float:
         greedy = types.SamplingParams(max_tokens=self.params.max_tokens, temperature=0.0, stop=self.stop)
@@ -117,7 +119,7 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 20, pr
     first = rl.accuracy(held_out_problems)
     log.log(step=0, held_out_accuracy=first)
 
-    pending = rl.request_samples(rng.sample(train_problems, prompts_per_step))
+    pending = rl.request_samples(rng.sample(train_problems, prompts_per_step), rng)
     for step in range(1, steps + 1):
         waited = time.monotonic()
         groups = [(problem, prompt, future.result().sequences) for problem, prompt, future in pending]
@@ -125,7 +127,7 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 20, pr
         staleness = max(rl.steps_applied - s.policy_version for _, _, group in groups for s in group)
         assert staleness <= max_staleness, f"a trajectory is {staleness} steps stale (bound {max_staleness})"
         if async_mode:  # the next step's samples come while this one trains
-            pending = rl.request_samples(rng.sample(train_problems, prompts_per_step))
+            pending = rl.request_samples(rng.sample(train_problems, prompts_per_step), rng)
 
         trained = time.monotonic()
         rewards, data, sampled_logprobs, offsets = [], [], [], []
@@ -149,7 +151,7 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 20, pr
                 for out, (first_position, logprobs) in zip(output.loss_fn_outputs, offsets)])))
         trained = time.monotonic() - trained
         if not async_mode:
-            pending = rl.request_samples(rng.sample(train_problems, prompts_per_step))
+            pending = rl.request_samples(rng.sample(train_problems, prompts_per_step), rng)
 
         row = {"step": step, "reward": statistics.mean(rewards), "datums": len(data),
                "entropy": -float(np.mean(np.concatenate([np.asarray(lp) for lp in sampled_logprobs]))),

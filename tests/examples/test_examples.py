@@ -51,6 +51,12 @@ def test_rl_runs_with_bounded_staleness(service, tmp_path, async_mode, monkeypat
     if not async_mode:  # trained on the snapshot's own samples: sampler and trainer agree closely
         assert max(r["logprob_gap"] for r in rows[1:]) < 1e-3
     assert 0 <= summary["held_out_accuracy_end"] <= 1 and (tmp_path / "rl.png").stat().st_size > 0
+    if not async_mode:  # every sample request is seeded from the run's seed: a second run repeats it
+        rl_arithmetic.run(service[1], "tiny", steps=3, prompts_per_step=2, group_size=4, max_tokens=4, held_out=4,
+                          eval_every=3, results=tmp_path, temperature=1.5, name="again")
+        again = [json.loads(line) for line in (tmp_path / "again.jsonl").read_text().splitlines()]
+        same = ("reward", "datums", "entropy", "held_out_accuracy")
+        assert [{k: r.get(k) for k in same} for r in again] == [{k: r.get(k) for k in same} for r in rows]
 
 
 def test_the_driver_runs_tenants_at_once_then_one_by_one(service, tmp_path):
