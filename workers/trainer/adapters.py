@@ -82,8 +82,8 @@ class Adapter:
         self.id = adapter_id
         self.config = config
         self.weights = weights  # module path in the base model -> weights (fixed once created)
-        # every A and B in a list: the optimizer walks them several times per step, and going through
-        # nn.Module attribute lookups each time cost ~1 ms per step of 8 small adapters
+        # every A and B, gathered once: the optimizer walks them several times per step, and the
+        # nn.Module attribute lookups of a generator cost ~0.3 ms per step of 8 tiny adapters
         self._parameters = tuple(p for w in weights.values() for p in (w.lora_a, w.lora_b))
         self.scale = config.alpha / config.rank
         self.step = 0  # optimizer steps applied
