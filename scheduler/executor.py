@@ -29,11 +29,11 @@ from typing import Any
 from loraplex.wire.codec import decode_forward_backward_request, encode_forward_backward_output
 from scheduler.ordering import REJECTED, QueuedRequest
 from scheduler.planner import Cycle
+from scheduler.state_writer import StateWriter
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers import store
 from workers.trainer.checkpoints import TrainingState, read_manifest
-from scheduler.state_writer import StateWriter
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.errors import EngineError
 

@@ -49,7 +49,7 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
     calls: dict[tuple[float, ...], _FusedCall] = {}
     grad_norms = []
     for adapter, adam in batch:
-        params = list(adapter.parameters())
+        params = adapter.parameters()
         for p in params:
             if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
                 p.grad = torch.zeros_like(p)
