@@ -4,6 +4,9 @@
 
 Every run generates `max_tokens` tokens per sequence (EOS ignored) from random-token prompts.
   mixed       8 adapters x 4 prompts in one engine, Loraplex's segmented LoRA ops
+  beside      the same beside another thread's OpenMP team, as in the embedded server (trainer
+              and sampler in one process), with libgomp's defaults
+  beside_spin the same with the embedded server's spin settings (service/openmp.py)
   stock       the same with vLLM's own CPU LoRA ops (gather a weight matrix per token)
   base        32 prompts, no adapter
   hf_peft     HF generate + peft, one adapter after another (4 prompts each)
@@ -17,14 +20,18 @@ taken within this one run. Results go to benchmarks/results/sampler_multilora.md
 from __future__ import annotations
 
 import multiprocessing
+import os
 import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import typer
+
+from service.openmp import SPIN_SETTINGS
 
 RESULTS = Path(__file__).parent / "results" / "sampler_multilora.md"
 ADAPTERS, PROMPTS_PER_ADAPTER, PROMPT_LEN, RANK = 8, 4, 32, 16
@@ -81,6 +88,8 @@ def vllm_run(scenario: str, model_path: str, dtype: str, snapshots: list[str], m
 
     if scenario == "stock":
         os.environ["LORAPLEX_VLLM_LORA_OPS"] = "vllm"
+    if scenario.startswith("beside"):  # a parallel op on this thread gives it an OpenMP team, like the trainer's
+        torch.ones(512, 512) @ torch.ones(512, 512)
     engine = SamplerEngine(SamplerConfig(Path(model_path), max_model_len=2048, max_lora_rank=RANK,
                                          max_loras=ADAPTERS, dtype=dtype, kv_cache_gib=2.0,
                                          prefix_caching=scenario != "grpo_none")).start()
@@ -90,7 +99,7 @@ def vllm_run(scenario: str, model_path: str, dtype: str, snapshots: list[str], m
             for i, (p, a) in enumerate(zip(prompts(ADAPTERS, PROMPT_LEN, 99), snapshots or [None] * ADAPTERS))]
     run_jobs(engine, warm)
     out: dict = {}
-    if scenario in ("mixed", "stock", "base"):
+    if scenario in ("mixed", "stock", "base", "beside", "beside_spin"):
         jobs = [SampleJob(f"{scenario}-{i}", p, 1, options, None if scenario == "base" else snapshots[i % ADAPTERS])
                 for i, p in enumerate(prompts(ADAPTERS * PROMPTS_PER_ADAPTER, PROMPT_LEN, 0))]
         out["seconds"], out["tokens"] = run_jobs(engine, jobs)
@@ -138,8 +147,10 @@ def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_toke
     fresh = make_snapshots(info.path, folder / "fresh", 5)
     results = {}
     spawn = multiprocessing.get_context("spawn")
-    for scenario in ("base", "mixed", "stock", "grpo_cache", "grpo_none"):
-        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+    for scenario in ("base", "mixed", "beside", "beside_spin", "stock", "grpo_cache", "grpo_none"):
+        # a spawned child takes this environment: libgomp reads it when the child loads torch
+        child_env = SPIN_SETTINGS if scenario == "beside_spin" else {}
+        with patch.dict(os.environ, child_env), ProcessPoolExecutor(1, mp_context=spawn) as pool:
             results[scenario] = pool.submit(vllm_run, scenario, str(info.path), dtype, snapshots, max_tokens,
                                              fresh).result()
         print(scenario, results[scenario], flush=True)
@@ -155,6 +166,8 @@ def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_toke
         ("**mixed LoRA / base** (target >= 0.7)", f"**{tps['mixed'] / tps['base']:.2f}x**"),
         ("**mixed LoRA / HF+peft serial** (target >= 8)", f"**{tps['mixed'] / tps['hf_peft']:.1f}x**"),
         ("segmented ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
+        ("mixed beside another OpenMP team (embedded server), libgomp defaults / spin settings (tok/s)",
+         f"{tps['beside']:.0f} / {tps['beside_spin']:.0f}"),
         ("GRPO group 4 x n=8, prompt 384: prefix caching on / off (time)",
          f"{results['grpo_none']['seconds'] / results['grpo_cache']['seconds']:.2f}x faster"),
         ("first request of a freshly saved adapter version / of a loaded one (1 token)",

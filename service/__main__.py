@@ -30,6 +30,9 @@ def main() -> None:
 def serve(base_model: str = BASE_MODEL, host: str = typer.Option(None), port: int = typer.Option(None),
           data_dir: Path = DATA_DIR) -> None:
     """Run the embedded server: API + scheduler + trainer (+ sampler) in one process."""
+    from service.openmp import spin_between_parallel_regions
+
+    spin_between_parallel_regions()  # before torch loads: trainer and sampler share the CPUs
     from service.embedded import serve as run
 
     run(settings(base_model=base_model, host=host, port=port, data_dir=data_dir))

@@ -1,0 +1,69 @@
+"""`python -m service serve` sets OpenMP's spin settings before torch loads (service/openmp.py).
+
+libgomp prints the settings it runs with under OMP_DISPLAY_ENV=VERBOSE, so the tests read what
+torch's OpenMP runtime took, not only the environment."""
+
+import os
+import re
+import subprocess
+import sys
+import threading
+
+from service.embedded import free_port
+
+APPLY_THEN_LOAD_TORCH = """
+from service.openmp import spin_between_parallel_regions
+print("applied" if spin_between_parallel_regions() else "not applied")
+import torch
+torch.ones(4).sum()
+"""
+SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LORAPLEX_KEEP_OPENMP_DEFAULTS")
+
+
+def reporting_env(**overrides: str) -> dict[str, str]:
+    """This environment without the settings, with libgomp reporting what it runs with."""
+    return {k: v for k, v in os.environ.items() if k not in SETTINGS} | {"OMP_DISPLAY_ENV": "VERBOSE"} | overrides
+
+
+def openmp_runtime(code: str, **env_overrides: str) -> tuple[str, dict[str, str]]:
+    """(what the snippet printed, the settings libgomp reported)."""
+    out = subprocess.run([sys.executable, "-c", code], env=reporting_env(**env_overrides), capture_output=True,
+                         text=True, check=True)
+    reported = dict(re.findall(r"^\s*(OMP_WAIT_POLICY|GOMP_SPINCOUNT) = '([^']*)'", out.stderr, re.M))
+    return out.stdout.strip().splitlines()[-1], reported
+
+
+def test_libgomp_runs_with_the_spin_settings():
+    printed, reported = openmp_runtime(APPLY_THEN_LOAD_TORCH)
+    assert printed == "applied"
+    assert reported == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "100000"}
+
+
+def test_the_user_settings_and_the_opt_out_win():
+    printed, reported = openmp_runtime(APPLY_THEN_LOAD_TORCH, OMP_WAIT_POLICY="PASSIVE")
+    assert printed == "not applied" and reported["OMP_WAIT_POLICY"] == "PASSIVE"
+    printed, reported = openmp_runtime(APPLY_THEN_LOAD_TORCH, LORAPLEX_KEEP_OPENMP_DEFAULTS="1")
+    assert printed == "not applied" and reported["OMP_WAIT_POLICY"] != "ACTIVE"
+
+
+def test_too_late_once_torch_is_loaded():
+    printed, reported = openmp_runtime("import torch\n" + APPLY_THEN_LOAD_TORCH)
+    assert printed == "not applied" and reported["OMP_WAIT_POLICY"] != "ACTIVE"
+
+
+def test_the_embedded_server_starts_with_them(tmp_path):
+    """The README's main command, on `tiny` without the sampler: it serves, under the settings."""
+    env = reporting_env(LORAPLEX_DATA_DIR=str(tmp_path), LORAPLEX_SAMPLER_ENABLED="false")
+    stderr = tmp_path / "stderr.log"
+    with stderr.open("w") as err:
+        server = subprocess.Popen([sys.executable, "-m", "service", "serve", "--base-model", "tiny", "--port",
+                                   str(free_port())], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        watchdog = threading.Timer(120, server.kill)  # a server that never serves: killed, which ends the read
+        watchdog.start()
+        try:
+            assert any(line.startswith("Loraplex serving") for line in server.stdout)
+        finally:
+            watchdog.cancel()
+            server.terminate()
+            server.wait(timeout=60)
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in stderr.read_text()
