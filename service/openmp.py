@@ -11,7 +11,7 @@ call took 1.2 ms instead of 0.44 ms and mixed sampling ran at 67-73 tok/s instea
 OMP_WAIT_POLICY=ACTIVE raises the throttled spin to 1,000. GOMP_SPINCOUNT bounds the unthrottled
 spin at ~1 ms (ACTIVE alone spins 5 minutes: an idle team then keeps a core busy, and sampling
 stayed at 73 tok/s). libgomp reads both once, when it is loaded: this must run before torch is
-imported. README ("Sampling") has the end-to-end figures.
+imported (or preloaded). README ("Sampling") has the end-to-end figures.
 """
 
 from __future__ import annotations
@@ -32,8 +32,19 @@ def spin_between_parallel_regions() -> bool:
     either variable."""
     if os.environ.get(OPT_OUT) == "1" or any(name in os.environ for name in SPIN_SETTINGS):
         return False
-    if "torch" in sys.modules:
-        log.warning("OpenMP spin settings not applied: torch was imported first")
+    if openmp_runtime_loaded():
+        log.warning("OpenMP spin settings not applied: libgomp was loaded first (torch imported, or LD_PRELOAD); "
+                    "set %s yourself", " ".join(f"{k}={v}" for k, v in SPIN_SETTINGS.items()))
         return False
     os.environ.update(SPIN_SETTINGS)
     return True
+
+
+def openmp_runtime_loaded() -> bool:
+    """Whether libgomp is already in this process: it read its settings when it was loaded. vLLM on
+    CPU puts torch's libgomp in LD_PRELOAD, so children of a process running vLLM load it first."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:  # not Linux
+        return "torch" in sys.modules

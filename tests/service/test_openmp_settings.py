@@ -8,6 +8,9 @@ import re
 import subprocess
 import sys
 import threading
+from pathlib import Path
+
+import torch
 
 from service.embedded import free_port
 
@@ -21,8 +24,10 @@ SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LORAPLEX_KEEP_OPENMP_DEFAULTS"
 
 
 def reporting_env(**overrides: str) -> dict[str, str]:
-    """This environment without the settings, with libgomp reporting what it runs with."""
-    return {k: v for k, v in os.environ.items() if k not in SETTINGS} | {"OMP_DISPLAY_ENV": "VERBOSE"} | overrides
+    """This environment without the settings and without preloads (vLLM in this test process puts
+    libgomp in LD_PRELOAD), as from a shell, with libgomp reporting what it runs with."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS + ("LD_PRELOAD",)}
+    return env | {"OMP_DISPLAY_ENV": "VERBOSE"} | overrides
 
 
 def openmp_runtime(code: str, **env_overrides: str) -> tuple[str, dict[str, str]]:
@@ -46,8 +51,11 @@ def test_the_user_settings_and_the_opt_out_win():
     assert printed == "not applied" and reported["OMP_WAIT_POLICY"] != "ACTIVE"
 
 
-def test_too_late_once_torch_is_loaded():
+def test_too_late_once_libgomp_is_loaded():
     printed, reported = openmp_runtime("import torch\n" + APPLY_THEN_LOAD_TORCH)
+    assert printed == "not applied" and reported["OMP_WAIT_POLICY"] != "ACTIVE"
+    libgomp = next((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    printed, reported = openmp_runtime(APPLY_THEN_LOAD_TORCH, LD_PRELOAD=str(libgomp))
     assert printed == "not applied" and reported["OMP_WAIT_POLICY"] != "ACTIVE"
 
 
