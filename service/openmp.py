@@ -27,8 +27,8 @@ OPT_OUT = "LORAPLEX_KEEP_OPENMP_DEFAULTS"
 
 
 def spin_between_parallel_regions() -> bool:
-    """Set SPIN_SETTINGS for this process and its children; False where it does not apply: torch
-    already imported (too late), opted out with LORAPLEX_KEEP_OPENMP_DEFAULTS=1, or the user set
+    """Set SPIN_SETTINGS for this process and its children; False where it does not apply: libgomp
+    already loaded (too late), opted out with LORAPLEX_KEEP_OPENMP_DEFAULTS=1, or the user set
     either variable."""
     if os.environ.get(OPT_OUT) == "1" or any(name in os.environ for name in SPIN_SETTINGS):
         return False
