@@ -5,11 +5,9 @@ this process (embedded mode); the distributed mode sends the same cycle to a Cel
 Payloads are the bodies the API accepted: protobuf for forward/backward, and for the other
 operations a JSON body the API already validated and resolved (checkpoint paths, LoRA config).
 
-Durability rule: an adapter's training state is written to `live_dir` (a folder of the
-checkpoint store: a local path or an fsspec URL, workers/store.py) after create_model and
-load_weights before the outcome is returned, and after every optim_step in the background
-(scheduler/state_writer.py: a copy taken at once, written off the request's path). After a
-restart an adapter is reloaded from there, and the forward_backward and optim_step requests it
+Durability: each adapter's training state is kept in `live_dir` (a folder of the checkpoint store:
+a local path or an fsspec URL, workers/store.py), when and how scheduler/live_state.py says. After
+a restart an adapter is reloaded from there, and the forward_backward and optim_step requests it
 had finished since (their effects were only in memory) are replayed by the scheduler.
 
 Eviction (to make room, or to move the adapter to another worker) writes the adapter's full state,
@@ -21,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 from loraplex.wire.codec import decode_forward_backward_request, encode_forward_backward_output
 from scheduler.ordering import REJECTED, QueuedRequest
 from scheduler.planner import Cycle
-from scheduler.state_writer import StateWriter
+from scheduler.live_state import LiveStates
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers import store
@@ -83,16 +82,17 @@ class InProcessExecutor:
     # (ProcessExecutor and CeleryExecutor have the same).
     engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
 
-    def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0) -> None:
+    def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0,
+                 state_write_interval: float = 0.0) -> None:
         self.engine = engine
-        self.live_dir = str(live_dir)
         self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
-        self.writer = StateWriter()
+        self._lock = threading.RLock()  # the engine's: held while a cycle or an eviction runs
+        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval)
 
     def close(self) -> None:
-        """Finish writing the durable states still queued."""
-        self.writer.close()
+        """Capture the durable states not yet captured and finish writing them."""
+        self.live.close()
 
     def place(self, model_ids: set[str]) -> set[str]:
         """The models whose engine died since they last ran (never, in this process)."""
@@ -100,27 +100,13 @@ class InProcessExecutor:
 
     # --- durability ------------------------------------------------------------------------------
 
-    def _live_path(self, model_id: str) -> str:
-        return store.join(self.live_dir, model_id)
-
-    def _persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False) -> None:
-        """Write the model's state as of `seq_id`: before returning, or (wait=False) in the background
-        from a copy. Every write of a model goes through the writer, so none overtakes a newer one."""
-        state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients, copy=not wait)
-        self.writer.submit(model_id, self._live_path(model_id), state, {"seq_id": seq_id})
-        if wait:
-            self.writer.flush(model_id)
-
     def durable_seq(self, model_id: str) -> int | None:
-        """The seq_id the model's durable state reflects, or None if it has none."""
-        self.writer.flush(model_id)
-        manifest = read_manifest(self._live_path(model_id))
-        return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
+        return self.live.durable_seq(model_id)
 
     def _ensure_loaded(self, model_ids: set[str]) -> None:
         for model_id in model_ids:
-            if model_id not in self.engine.adapters and read_manifest(self._live_path(model_id)) is not None:
-                self.engine.load_state(model_id, self._live_path(model_id))
+            if model_id not in self.engine.adapters and read_manifest(self.live.path(model_id)) is not None:
+                self.engine.load_state(model_id, self.live.path(model_id))
         if self.max_resident:
             idle = [m for m in self._last_seq if m not in model_ids]
             for model_id in idle[: max(0, len(self.engine.adapters) - self.max_resident)]:
@@ -128,16 +114,22 @@ class InProcessExecutor:
 
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""
-        if model_id not in self.engine.adapters:
-            return
-        last_seq = self._last_seq.pop(model_id, None)
-        if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
-            self._persist(model_id, last_seq, with_gradients=True)
-        self.engine.delete_adapter(model_id)
+        with self._lock:
+            if model_id not in self.engine.adapters:
+                return
+            last_seq = self._last_seq.pop(model_id, None)
+            if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
+                self.live.persist(model_id, last_seq, with_gradients=True)
+            self.live.forget(model_id)
+            self.engine.delete_adapter(model_id)
 
     # --- cycles ----------------------------------------------------------------------------------
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
+        with self._lock:
+            return self._run_cycle(cycle, jobs)
+
+    def _run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         self._ensure_loaded({r.model_id for r in cycle.all()})
         outcomes: dict[str, Outcome] = {}
         if cycle.forward_backward:
@@ -174,7 +166,7 @@ class InProcessExecutor:
             if isinstance(result, EngineError):
                 outcomes[job.request.id] = Outcome.failed(str(result), result.category)
                 continue
-            self._persist(job.request.model_id, job.request.seq_id, wait=False)
+            self.live.stepped(job.request.model_id, job.request.seq_id)
             outcomes[job.request.id] = Outcome.json({"metrics": {f"{k}:mean": v for k, v in result.items()}})
         return outcomes
 
@@ -194,11 +186,11 @@ class InProcessExecutor:
             return Outcome.failed(body["error"], body["category"])
         if kind == "create_model":
             self.engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))
-            self._persist(model_id, job.request.seq_id)
+            self.live.persist(model_id, job.request.seq_id)
             return Outcome.json({"model_id": model_id, "type": "create_model"})
         if kind == "load_weights":
             self.engine.load_state(model_id, body["storage_path"], with_optimizer=body["optimizer"])
-            self._persist(model_id, job.request.seq_id)
+            self.live.persist(model_id, job.request.seq_id)
             return Outcome.json({"path": body["tinker_path"], "model_id": model_id, "type": "load_weights"})
         if kind in ("save_weights", "save_weights_for_sampler"):
             location = body["storage_path"]

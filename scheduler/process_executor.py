@@ -22,10 +22,10 @@ from scheduler.planner import Cycle
 log = logging.getLogger(__name__)
 
 
-def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int) -> None:
+def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, state_write_interval: float) -> None:
     from workers.trainer.engine import TrainerEngine
 
-    executor = InProcessExecutor(TrainerEngine(model_path, max_rank=max_rank), live_dir, max_resident)
+    executor = InProcessExecutor(TrainerEngine(model_path, max_rank=max_rank), live_dir, max_resident, state_write_interval)
     conn.send(("ready", None))
     while True:
         try:
@@ -44,8 +44,8 @@ class ProcessExecutor:
     engines_restart_with_scheduler = True  # the child ends with this process
 
     def __init__(self, model_path: Path, max_rank: int, live_dir: str | Path, start_timeout: float = 300,
-                 max_resident: int = 0) -> None:
-        self._args = (str(model_path), max_rank, str(live_dir), max_resident)
+                 max_resident: int = 0, state_write_interval: float = 0.0) -> None:
+        self._args = (str(model_path), max_rank, str(live_dir), max_resident, state_write_interval)
         self._start_timeout = start_timeout
         self._lock = threading.Lock()
         self._held: set[str] = set()  # models the current child has run

@@ -76,10 +76,11 @@ def build(settings: Settings) -> EmbeddedServer:
 
         executor = CeleryExecutor(settings.redis_url, info.name, live_dir)
     elif settings.engine_process:
-        executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir, max_resident=settings.max_resident_adapters)
+        executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir, max_resident=settings.max_resident_adapters,
+                                   state_write_interval=settings.state_write_interval_seconds)
     else:
         executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), live_dir,
-                                     settings.max_resident_adapters)
+                                     settings.max_resident_adapters, settings.state_write_interval_seconds)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds, settings.seq_gap_seconds)

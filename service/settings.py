@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     # Embedded mode is one process with an in-process executor. True moves the trainer engine into
     # a child process (its own GIL), so the API stays responsive while it computes.
     engine_process: bool = False
+    state_write_interval_seconds: float = Field(
+        5.0, description="an adapter's durable training state is written at most this often; a crash "
+        "replays up to this long of its steps from the database (scheduler/live_state.py)")
     cycle_token_budget: int = Field(8192, description="tokens per batched engine call (one scheduler cycle)")
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")

@@ -39,7 +39,7 @@ def _start(sender=None, **_) -> None:
 
     info = model_info(settings.base_model)
     executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), settings.live_dir,
-                                 settings.max_resident_adapters)
+                                 settings.max_resident_adapters, settings.state_write_interval_seconds)
     _state["executor"] = executor
     register_worker(client, sender, worker_key, info.name, lambda: {"adapters": sorted(executor.engine.adapters)})
 

@@ -232,7 +232,7 @@ def test_acknowledged_optim_steps_whose_state_was_not_written_are_replayed(serve
     key = first.new_tenant()
     client = tinker.ServiceClient(base_url=first.base_url, api_key=key)
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
-    first.embedded.executor.writer.submit = lambda *args, **kwargs: None  # dies before any later write
+    first.embedded.executor.live.writer.submit = lambda *args, **kwargs: None  # dies before any later write
     for seed in (0, 1):
         tc.forward_backward(sft_data(seed), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
