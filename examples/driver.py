@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import multiprocessing
 import queue
@@ -45,18 +46,24 @@ def free_port() -> int:
 
 
 @contextmanager
-def embedded_server(base_model: str, port: int) -> Iterator[tuple[str, Callable[[str], str], psutil.Process]]:
+def embedded_server(base_model: str, port: int, *, env: dict[str, str] | None = None, stderr=None,
+                    start_timeout: float = 600) -> Iterator[tuple[str, Callable[[str], str], psutil.Process]]:
     """(base URL, new_tenant(name) -> API key, the server process) of a fresh embedded server in a
-    child process."""
+    child process (`env`: its environment, default this one's; `stderr`: where its log goes)."""
     data_dir = Path(tempfile.mkdtemp(prefix="loraplex-examples-"))
-    env = os.environ | {"LORAPLEX_DATA_DIR": str(data_dir)}
+    env = (os.environ if env is None else env) | {"LORAPLEX_DATA_DIR": str(data_dir)}
     server = subprocess.Popen([sys.executable, "-m", "service", "serve", "--base-model", base_model, "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    for line in server.stdout:  # it prints its URL once it listens
-        if line.startswith("Loraplex serving"):
-            break
-    else:
-        raise RuntimeError("the server did not start")
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    watchdog = threading.Timer(start_timeout, server.kill)  # one that never serves is killed, which ends the read
+    watchdog.start()
+    try:
+        for line in server.stdout:  # it prints its URL once it listens
+            if line.startswith("Loraplex serving"):
+                break
+        else:
+            raise RuntimeError("the server did not start")
+    finally:
+        watchdog.cancel()
 
     def new_tenant(name: str) -> str:
         admin = [sys.executable, "-m", "admin.cli", "tenants", "create", name]

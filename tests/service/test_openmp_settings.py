@@ -7,11 +7,11 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import torch
 
+from examples.driver import embedded_server
 from service.embedded import free_port
 
 APPLY_THEN_LOAD_TORCH = """
@@ -61,17 +61,9 @@ def test_too_late_once_libgomp_is_loaded():
 
 def test_the_embedded_server_starts_with_them(tmp_path):
     """The README's main command, on `tiny` without the sampler: it serves, under the settings."""
-    env = reporting_env(LORAPLEX_DATA_DIR=str(tmp_path), LORAPLEX_SAMPLER_ENABLED="false")
     stderr = tmp_path / "stderr.log"
     with stderr.open("w") as err:
-        server = subprocess.Popen([sys.executable, "-m", "service", "serve", "--base-model", "tiny", "--port",
-                                   str(free_port())], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        watchdog = threading.Timer(120, server.kill)  # a server that never serves: killed, which ends the read
-        watchdog.start()
-        try:
-            assert any(line.startswith("Loraplex serving") for line in server.stdout)
-        finally:
-            watchdog.cancel()
-            server.terminate()
-            server.wait(timeout=60)
+        with embedded_server("tiny", free_port(), env=reporting_env(LORAPLEX_SAMPLER_ENABLED="false"), stderr=err,
+                             start_timeout=120):
+            pass
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in stderr.read_text()
