@@ -32,7 +32,7 @@ from scheduler.live_state import LiveStates
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers import store
-from workers.trainer.checkpoints import TrainingState, read_manifest
+from workers.trainer.checkpoints import read_manifest
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.errors import EngineError
 
