@@ -87,8 +87,8 @@ def round_lora_free(engine, data):
     prepared = [prepare_request(0, request, engine.vocab_size, engine.max_seq_len)]
     hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_())
     try:
-        for pieces in split_into_passes(prepared, engine.max_pass_tokens):
-            engine.target_logprobs(pack(pieces), RoutingPlan([]))[:, 0].sum().backward()
+        for pieces in split_into_passes(prepared, engine.max_pass_tokens, engine.min_shared_prefix):
+            engine.target_logprobs(pack(pieces, engine.min_shared_prefix), RoutingPlan([]))[:, 0].sum().backward()
     finally:
         hook.remove()
 

@@ -18,14 +18,17 @@ from pathlib import Path
 
 from scheduler.executor import InProcessExecutor, Job, Outcome
 from scheduler.planner import Cycle
+from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 log = logging.getLogger(__name__)
 
 
-def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, state_write_interval: float) -> None:
+def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, state_write_interval: float,
+           min_shared_prefix: int) -> None:
     from workers.trainer.engine import TrainerEngine
 
-    executor = InProcessExecutor(TrainerEngine(model_path, max_rank=max_rank), live_dir, max_resident, state_write_interval)
+    engine = TrainerEngine(model_path, max_rank=max_rank, min_shared_prefix=min_shared_prefix)
+    executor = InProcessExecutor(engine, live_dir, max_resident, state_write_interval)
     conn.send(("ready", None))
     while True:
         try:
@@ -44,8 +47,9 @@ class ProcessExecutor:
     engines_restart_with_scheduler = True  # the child ends with this process
 
     def __init__(self, model_path: Path, max_rank: int, live_dir: str | Path, start_timeout: float = 300,
-                 max_resident: int = 0, state_write_interval: float = 0.0) -> None:
-        self._args = (str(model_path), max_rank, str(live_dir), max_resident, state_write_interval)
+                 max_resident: int = 0, state_write_interval: float = 0.0,
+                 min_shared_prefix: int = MIN_SHARED_TOKENS) -> None:
+        self._args = (str(model_path), max_rank, str(live_dir), max_resident, state_write_interval, min_shared_prefix)
         self._start_timeout = start_timeout
         self._lock = threading.Lock()
         self._held: set[str] = set()  # models the current child has run

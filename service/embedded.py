@@ -77,9 +77,12 @@ def build(settings: Settings) -> EmbeddedServer:
         executor = CeleryExecutor(settings.redis_url, info.name, live_dir)
     elif settings.engine_process:
         executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir, max_resident=settings.max_resident_adapters,
-                                   state_write_interval=settings.state_write_interval_seconds)
+                                   state_write_interval=settings.state_write_interval_seconds,
+                                   min_shared_prefix=settings.trainer_min_shared_prefix)
     else:
-        executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), live_dir,
+        engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank,
+                               min_shared_prefix=settings.trainer_min_shared_prefix)
+        executor = InProcessExecutor(engine, live_dir,
                                      settings.max_resident_adapters, settings.state_write_interval_seconds)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,

@@ -9,6 +9,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers import store
+from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 
 class Settings(BaseSettings):
@@ -36,6 +37,9 @@ class Settings(BaseSettings):
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
     max_request_bytes: int = 64 * 1024 * 1024
+    trainer_min_shared_prefix: int = Field(MIN_SHARED_TOKENS, description="datums of one request that begin with "
+                                           "at least this many equal tokens (an RL group's prompt) compute them once "
+                                           "(0: never; workers/trainer/shared_prefix.py)")
     seq_gap_seconds: float = Field(60.0, description="a model's missing seq_id is skipped (recorded as failed) "
                                    "once a later one has waited this long behind it")
 

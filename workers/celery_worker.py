@@ -38,7 +38,8 @@ def _start(sender=None, **_) -> None:
     from workers.trainer.engine import TrainerEngine
 
     info = model_info(settings.base_model)
-    executor = InProcessExecutor(TrainerEngine(info.path, max_rank=settings.max_lora_rank), settings.live_dir,
+    engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank, min_shared_prefix=settings.trainer_min_shared_prefix)
+    executor = InProcessExecutor(engine, settings.live_dir,
                                  settings.max_resident_adapters, settings.state_write_interval_seconds)
     _state["executor"] = executor
     register_worker(client, sender, worker_key, info.name, lambda: {"adapters": sorted(executor.engine.adapters)})

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from workers.trainer.errors import InvalidInputError
 from workers.trainer.losses import FLOAT_INPUTS, LOSSES, LossSpec
+from workers.trainer.packed_attention import AttentionLayout
+from workers.trainer.shared_prefix import group_mask, share_plan, shared_length
 
 TensorLike = Tensor | np.ndarray | Sequence[Any]
 
@@ -56,26 +58,32 @@ class PreparedRequest:
     datum_ids: list[int] | None = None  # in a piece of a split request: which of its datums these are
 
 
-def split_into_passes(requests: list[PreparedRequest], max_tokens: int) -> list[list[PreparedRequest]]:
-    """Cut a batch into passes of at most `max_tokens` tokens, at datum boundaries (a longer datum
-    gets a pass of its own). Losses are sums over datums, so the pieces' results add up exactly."""
+def split_into_passes(requests: list[PreparedRequest], max_tokens: int,
+                      min_shared: int = 0) -> list[list[PreparedRequest]]:
+    """Cut a batch into passes of at most `max_tokens` packed rows, at datum boundaries (a longer
+    datum gets a pass of its own). A datum that shares its first rows with its group's leader in
+    the same pass costs only its own rows (`shared_prefix`, as `pack` lays them out). Losses are
+    sums over datums, so the pieces' results add up exactly."""
     passes: list[list[PreparedRequest]] = []
     current: list[PreparedRequest] = []
     used = 0
+
+    def piece(r: PreparedRequest, start: int, end: int) -> PreparedRequest:
+        return replace(r, tokens=r.tokens[start:end], inputs=r.inputs[start:end], datum_ids=list(range(start, end)))
+
     for r in requests:
-        start = 0
-        for d, t in enumerate(r.tokens + [None]):
-            full = t is not None and used + t.numel() > max_tokens and used > 0
-            if t is None or full:
+        start, leader = 0, None  # r's piece in the current pass begins at datum `start`
+        for d, t in enumerate(r.tokens):
+            shared = shared_length(leader, t, min_shared)
+            if used + t.numel() - shared > max_tokens and used > 0:
                 if d > start:
-                    current.append(replace(r, tokens=r.tokens[start:d], inputs=r.inputs[start:d],
-                                           datum_ids=list(range(start, d))))
-                    start = d
-                if full:
-                    passes.append(current)
-                    current, used = [], 0
-            if t is not None:
-                used += t.numel()
+                    current.append(piece(r, start, d))
+                passes.append(current)
+                current, used, start, shared = [], 0, d, 0
+            if shared == 0:
+                leader = t
+            used += t.numel() - shared
+        current.append(piece(r, start, len(r.tokens)))
     if current:
         passes.append(current)
     return passes
@@ -180,33 +188,58 @@ def prepare_request(index: int, request: ForwardBackwardInput, vocab_size: int, 
 
 @dataclass
 class PackedBatch:
-    """All datums of a batch as one token row, grouped by adapter so each adapter is one segment."""
+    """All datums of a batch as one row of token rows, grouped by adapter so each adapter is one
+    segment. A datum's positions map to rows: its own, after the rows it shares with its group's
+    leader (see `shared_prefix`); without sharing, position p of the batch is row p."""
 
-    input_ids: Tensor  # [T]
-    position_ids: Tensor  # [T], restarting at 0 for every datum
-    targets: Tensor  # [T, K_max] target ids of every row ((N,) targets in column 0; padding is 0)
-    seq_bounds: list[int]  # datum boundaries in the row: [0, n_0, n_0 + n_1, ..., T]
-    adapter_spans: list[tuple[str, int, int]]  # (adapter id, start, end)
-    datum_offsets: dict[int, list[int]]  # request index -> start row of each of its datums
+    input_ids: Tensor  # [T] one token per row
+    position_ids: Tensor  # [T] each row's position in its datum
+    layout: AttentionLayout  # which rows attend to which
+    adapter_spans: list[tuple[str, int, int]]  # (adapter id, start row, end row)
+    targets: Tensor  # [P, K_max] target ids of every datum position ((N,) targets in column 0; padding 0)
+    position_rows: Tensor | None  # [P] the row of each datum position; None when that is the identity
+    datum_offsets: dict[int, list[int]]  # request index -> first position (in P) of each of its datums
 
 
-def pack(requests: list[PreparedRequest]) -> PackedBatch:
+def pack(requests: list[PreparedRequest], min_shared: int = 0) -> PackedBatch:
     order: dict[str, list[PreparedRequest]] = {}
     for r in requests:
         order.setdefault(r.request.adapter_id, []).append(r)
-    tokens, targets, bounds, spans, offsets = [], [], [0], [], {}
+    tokens, positions, targets, position_rows, blocks, spans, offsets = [], [], [], [], [], [], {}
+    rows = n_positions = 0
     for adapter_id, reqs in order.items():
-        span_start = bounds[-1]
+        span_start = rows
         for r in reqs:
             offsets[r.index] = []
-            for t, inputs in zip(r.tokens, r.inputs):
-                offsets[r.index].append(bounds[-1])
-                tokens.append(t)
-                targets.append(inputs["target_tokens"].reshape(t.numel(), -1))
-                bounds.append(bounds[-1] + t.numel())
-        spans.append((adapter_id, span_start, bounds[-1]))
-    input_ids = torch.cat(tokens)
-    position_ids = torch.cat([torch.arange(t.numel()) for t in tokens])
+            group: tuple[int, int, list[tuple[int, int]]] | None = None  # leader's first row and length, members
+            for t, inputs, shared in zip(r.tokens, r.inputs, share_plan(r.tokens, min_shared)):
+                n = t.numel()
+                if shared == 0:
+                    if group is not None:
+                        blocks.append(_block(*group))
+                    group = (rows, n, [])
+                    position_rows.append(torch.arange(rows, rows + n))
+                else:
+                    group[2].append((shared, n - shared))
+                    position_rows.append(torch.cat([torch.arange(group[0], group[0] + shared),
+                                                    torch.arange(rows, rows + n - shared)]))
+                tokens.append(t[shared:])
+                positions.append(torch.arange(shared, n))
+                targets.append(inputs["target_tokens"].reshape(n, -1))
+                offsets[r.index].append(n_positions)
+                rows, n_positions = rows + n - shared, n_positions + n
+            blocks.append(_block(*group))
+        spans.append((adapter_id, span_start, rows))
     k_max = max(t.shape[1] for t in targets)
     target_matrix = torch.cat([torch.nn.functional.pad(t, (0, k_max - t.shape[1])) for t in targets])
-    return PackedBatch(input_ids, position_ids, target_matrix, bounds, spans, offsets)
+    return PackedBatch(
+        input_ids=torch.cat(tokens), position_ids=torch.cat(positions), layout=AttentionLayout.build(blocks),
+        adapter_spans=spans, targets=target_matrix,
+        position_rows=torch.cat(position_rows) if rows < n_positions else None, datum_offsets=offsets,
+    )
+
+
+def _block(start: int, leader_length: int, members: list[tuple[int, int]]) -> tuple[int, int, Tensor | None]:
+    """The attention block of one group: a plain causal sequence when it has no members."""
+    end = start + leader_length + sum(own for _, own in members)
+    return start, end, group_mask(leader_length, members) if members else None

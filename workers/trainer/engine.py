@@ -4,7 +4,8 @@
 fails alone, before any state changes), packs all valid datums into one token row grouped by
 adapter, runs the base model once with every token routed through its own adapter (SGMV),
 computes each request's loss and backpropagates the sum. Each adapter's gradient depends only on
-its own tokens, so the batched result equals each request run alone.
+its own tokens, so the batched result equals each request run alone. Datums of one request that
+begin alike (an RL group's prompt) compute that beginning once (`shared_prefix`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from workers.trainer.batch import (
 from workers.trainer.errors import EngineError, InvalidInputError, UnknownAdapterError
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
 from workers.trainer.optimizer import adamw_step
-from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, SEQ_BOUNDS_KWARG
+from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
+from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 
 class TrainerEngine:
@@ -46,6 +48,7 @@ class TrainerEngine:
         cache_dir: str | Path | None = None,
         sgmv_backend: str = "auto",
         max_pass_tokens: int = 512,
+        min_shared_prefix: int = MIN_SHARED_TOKENS,
     ) -> None:
         retain_freed_host_memory()  # before the model loads: passes then reuse warm pages
         self.model_path = resolve_model(str(base_model), cache_dir)
@@ -54,6 +57,8 @@ class TrainerEngine:
         # Larger passes are not faster on CPU: at 2,048 tokens a LoRA pass of SmolLM2 ran ~25% slower
         # per token than 8 passes of 256 (the [tokens, vocab] buffers no longer stay warm).
         self.max_pass_tokens = max_pass_tokens
+        # datums of one request that begin with this many equal tokens compute them once (0: never)
+        self.min_shared_prefix = min_shared_prefix
         self.dtype = dtype
         self.device = torch.device(device)
         self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
@@ -115,7 +120,7 @@ class TrainerEngine:
         across passes as across calls) and put each request's pieces back together."""
         logprobs = {p.index: [None] * len(p.tokens) for p in prepared}
         losses = {p.index: 0.0 for p in prepared}
-        for pieces in split_into_passes(prepared, self.max_pass_tokens):
+        for pieces in split_into_passes(prepared, self.max_pass_tokens, self.min_shared_prefix):
             for piece, out in zip(pieces, self._pass(pieces)):
                 losses[piece.index] += out.metrics["loss:sum"]
                 for d, lp in zip(piece.datum_ids, out.loss_fn_outputs):
@@ -127,7 +132,7 @@ class TrainerEngine:
 
     def _pass(self, prepared: list[PreparedRequest]) -> list[ForwardBackwardOutput]:
         """One packed forward (and backward) over all tokens of `prepared`."""
-        batch = pack(prepared)
+        batch = pack(prepared, self.min_shared_prefix)
         needs_grad = any(not p.request.forward_only for p in prepared)
         plan = RoutingPlan([(self.adapters[a], start, end) for a, start, end in batch.adapter_spans])
         with torch.set_grad_enabled(needs_grad):
@@ -143,7 +148,7 @@ class TrainerEngine:
         return outputs
 
     def target_logprobs(self, batch: PackedBatch, plan: RoutingPlan) -> Tensor:
-        """log p(target) for every row and target column of the packed batch: [T, K_max].
+        """log p(target) for every datum position and target column of the packed batch: [P, K_max].
 
         One gather over the whole batch: per-request indexing of the [T, vocab] logits would
         make the backward materialise a [T, vocab] gradient once per request."""
@@ -153,13 +158,19 @@ class TrainerEngine:
                 input_ids=batch.input_ids[None].to(self.device),
                 position_ids=batch.position_ids[None].to(self.device),
                 use_cache=False,
-                **{SEQ_BOUNDS_KWARG: batch.seq_bounds},
+                **{LAYOUT_KWARG: batch.layout.to(self.device)},
             ).logits[0]
         finally:
             self.router.plan = None
         # log_softmax + gather: its backward is one fused pass over [T, vocab], where
         # logsumexp's takes several (sub, exp, mul, add), each allocating a [T, vocab] tensor.
-        return torch.log_softmax(logits.float(), dim=-1).gather(1, batch.targets.to(self.device))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = batch.targets.to(self.device)
+        if batch.position_rows is None:
+            return logprobs.gather(1, targets)
+        # shared rows serve several datums, each with its own targets: index the flat [T * vocab]
+        flat = batch.position_rows.to(self.device)[:, None] * logprobs.shape[1] + targets
+        return logprobs.flatten()[flat]
 
     def _request_loss(self, p: PreparedRequest, batch: PackedBatch, target_logprobs: Tensor):
         """Loss and per-datum target logprobs of one request, vectorised over its datums.
@@ -173,11 +184,11 @@ class TrainerEngine:
         for datums in groups.values():
             offsets = batch.datum_offsets[p.index]
             lengths = [p.tokens[d].numel() for d in datums]
-            rows = torch.cat([torch.arange(offsets[d], offsets[d] + n) for d, n in zip(datums, lengths)])
-            rows = rows.to(self.device)
+            positions = torch.cat([torch.arange(offsets[d], offsets[d] + n) for d, n in zip(datums, lengths)])
+            positions = positions.to(self.device)
             inputs = {k: torch.cat([p.inputs[d][k] for d in datums]).to(self.device) for k in p.inputs[datums[0]]}
             targets = inputs.pop("target_tokens")
-            tlp = target_logprobs[rows, 0] if targets.dim() == 1 else target_logprobs[rows, : targets.shape[1]]
+            tlp = target_logprobs[positions, 0] if targets.dim() == 1 else target_logprobs[positions, : targets.shape[1]]
             datum_index = torch.repeat_interleave(
                 torch.arange(len(datums), device=self.device), torch.tensor(lengths, device=self.device)
             )

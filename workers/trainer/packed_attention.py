@@ -1,48 +1,80 @@
 """Causal attention over packed sequences, registered as a transformers attention implementation.
 
 All datums of a batch travel as one row of tokens. A block-diagonal mask over the whole row
-would cost T^2 attention for a row of T tokens; instead each datum attends within its own
-[start, end) range, and datums of equal length share one batched SDPA call.
-Because the name is not a known mask implementation, transformers builds no T x T mask for it.
+would cost T^2 attention for a row of T tokens; instead each datum attends within its own rows,
+datums of equal length share one batched SDPA call, and a group of datums that share their first
+rows (`shared_prefix`) is one SDPA call with its own mask. The layout is built once per pass and
+handed to every layer through the model's keyword arguments. Because the name is not a known
+mask implementation, transformers builds no T x T mask for it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "loraplex_packed"
-SEQ_BOUNDS_KWARG = "loraplex_seq_bounds"
+LAYOUT_KWARG = "loraplex_layout"
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which rows of the packed row attend to which."""
+
+    single: list[slice]  # a causal sequence whose length no other has
+    same_length: list[tuple[int, Tensor]]  # (length, rows of several causal sequences of that length)
+    masked: list[tuple[slice, Tensor]]  # a shared-prefix group: its rows and boolean mask
+
+    @staticmethod
+    def build(blocks: list[tuple[int, int, Tensor | None]]) -> "AttentionLayout":
+        """blocks: (start, end, mask) per contiguous block of rows; mask None for one causal sequence."""
+        by_length: dict[int, list[int]] = defaultdict(list)
+        masked = []
+        for start, end, mask in blocks:
+            if mask is None:
+                by_length[end - start].append(start)
+            else:
+                masked.append((slice(start, end), mask))
+        single, same_length = [], []
+        for length, starts in by_length.items():
+            if len(starts) == 1:
+                single.append(slice(starts[0], starts[0] + length))
+            else:
+                same_length.append((length, torch.cat([torch.arange(s, s + length) for s in starts])))
+        return AttentionLayout(single, same_length, masked)
+
+    def to(self, device: torch.device) -> "AttentionLayout":
+        return AttentionLayout(self.single, [(n, rows.to(device)) for n, rows in self.same_length],
+                               [(rows, mask.to(device)) for rows, mask in self.masked])
 
 
 def packed_causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D]."""
-    bounds: list[int] | None = kwargs.get(SEQ_BOUNDS_KWARG)
-    if bounds is None:  # one unpadded sequence (e.g. plain use of the wrapped model)
-        bounds = [0, query.shape[2]]
+    layout: AttentionLayout | None = kwargs.get(LAYOUT_KWARG)
+    if layout is None:  # one unpadded sequence (e.g. plain use of the wrapped model)
+        layout = AttentionLayout([slice(0, query.shape[2])], [], [])
     if query.shape[0] != 1:
         raise ValueError("packed attention expects one packed row (batch size 1)")
     gqa = query.shape[1] != key.shape[1]
 
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        by_length[end - start].append(start)
+    def attend(rows, **how):
+        return F.scaled_dot_product_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows],
+                                              scale=scaling, enable_gqa=gqa, **how)
 
     out = torch.empty_like(query)
-    for length, starts in by_length.items():
-        if len(starts) == 1:
-            sl = slice(starts[0], starts[0] + length)
-            out[:, :, sl] = F.scaled_dot_product_attention(
-                query[:, :, sl], key[:, :, sl], value[:, :, sl], is_causal=True, scale=scaling, enable_gqa=gqa
-            )
-            continue
-        rows = torch.cat([torch.arange(s, s + length) for s in starts]).to(query.device)
-        q, k, v = (t[0, :, rows].unflatten(1, (len(starts), length)).transpose(0, 1) for t in (query, key, value))
+    for rows in layout.single:
+        out[:, :, rows] = attend(rows, is_causal=True)
+    for length, rows in layout.same_length:
+        q, k, v = (t[0, :, rows].unflatten(1, (-1, length)).transpose(0, 1) for t in (query, key, value))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         out[0, :, rows] = o.transpose(0, 1).flatten(1, 2)
+    for rows, mask in layout.masked:
+        out[:, :, rows] = attend(rows, attn_mask=mask)
     return out.transpose(1, 2).contiguous(), None
 
 
