@@ -9,7 +9,6 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers import store
-from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 
 class Settings(BaseSettings):
@@ -37,7 +36,9 @@ class Settings(BaseSettings):
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
     max_request_bytes: int = 64 * 1024 * 1024
-    trainer_min_shared_prefix: int = Field(MIN_SHARED_TOKENS, description="datums of one request that begin with "
+    # workers.trainer.shared_prefix.MIN_SHARED_TOKENS, written out: this module must not import torch
+    # (the embedded server sets OpenMP's spin settings before torch loads; service/openmp.py)
+    trainer_min_shared_prefix: int = Field(8, description="datums of one request that begin with "
                                            "at least this many equal tokens (an RL group's prompt) compute them once "
                                            "(0: never; workers/trainer/shared_prefix.py)")
     seq_gap_seconds: float = Field(60.0, description="a model's missing seq_id is skipped (recorded as failed) "

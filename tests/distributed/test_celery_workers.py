@@ -85,7 +85,8 @@ def test_a_killed_worker_fails_its_cycle_and_training_continues_on_the_next(clus
     tc.forward_backward([datum(short)], "cross_entropy").result()  # acknowledged gradient, in w1's memory
     reference = tc.forward([datum(short)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 
-    big = [datum(list(range(5, 500))) for _ in range(48)]  # seconds of work on the worker
+    # seconds of work on the worker: distinct first tokens, so no datum shares another's rows
+    big = [datum([i] + list(range(5, 500))) for i in range(48)]
     doomed = tc.forward_backward(big, "cross_entropy")
     client = redis.Redis.from_url(REDIS_URL)
     deadline = time.monotonic() + 60

@@ -9,7 +9,8 @@ from tests.workers.peft_reference import peft_model_like, random_datum, rel_err,
 from workers.trainer.adapters import LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.shared_prefix import group_mask, share_plan
+from service.settings import Settings
+from workers.trainer.shared_prefix import MIN_SHARED_TOKENS, group_mask, share_plan
 
 VOCAB = 512
 
@@ -21,6 +22,10 @@ def test_share_plan_groups_datums_behind_the_first_that_begins_alike():
     assert share_plan(tokens, min_shared=2) == [0, 3, 3, 0, 2, 0]
     assert share_plan(tokens, min_shared=3) == [0, 3, 3, 0, 0, 0]
     assert share_plan(tokens, min_shared=0) == [0] * 6
+
+
+def test_the_service_default_is_the_engine_default():
+    assert Settings().trainer_min_shared_prefix == MIN_SHARED_TOKENS
 
 
 def test_group_mask_lets_a_member_see_only_the_shared_rows_and_its_own():

@@ -188,9 +188,9 @@ def prepare_request(index: int, request: ForwardBackwardInput, vocab_size: int, 
 
 @dataclass
 class PackedBatch:
-    """All datums of a batch as one row of token rows, grouped by adapter so each adapter is one
-    segment. A datum's positions map to rows: its own, after the rows it shares with its group's
-    leader (see `shared_prefix`); without sharing, position p of the batch is row p."""
+    """All datums of a batch packed into one row of tokens, grouped by adapter so each adapter is
+    one segment. A datum's positions map to rows: the rows it shares with its group's leader (see
+    `shared_prefix`), then its own; without sharing, position p of the batch is row p."""
 
     input_ids: Tensor  # [T] one token per row
     position_ids: Tensor  # [T] each row's position in its datum
