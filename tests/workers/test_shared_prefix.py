@@ -133,3 +133,27 @@ def test_rows_are_never_shared_across_requests(tiny_model_path):
     packed = pack(prepared, sharing.min_shared_prefix)
     assert packed.input_ids.numel() == sum(d.tokens.numel() for d in data) + data[1].tokens.numel()
     assert packed.position_rows is None
+
+
+def test_tenants_with_the_same_prompt_each_get_their_own_numbers(tiny_model_path):
+    """Two adapters' groups of one prompt in one batch: each equals its run alone without sharing."""
+    gen = torch.Generator().manual_seed(14)
+    data = rl_group(gen, 20, (6, 3, 8), "ppo")
+    sharing, plain = engines(tiny_model_path)
+    for engine in (sharing, plain):
+        adapter = engine.create_adapter("b", LoraConfig(rank=8, seed=2))
+        with torch.no_grad():
+            for i, w in enumerate(adapter.weights.values()):
+                w.lora_b.normal_(0, 0.1, generator=torch.Generator().manual_seed(100 + i))
+    requests = [ForwardBackwardInput("a", data, "ppo"), ForwardBackwardInput("b", data, "ppo")]
+    together = sharing.forward_backward(requests)
+    for request, ours in zip(requests, together):
+        alone = plain.forward_backward([request])[0]
+        assert ours.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-5)
+        for a, b in zip(ours.loss_fn_outputs, alone.loss_fn_outputs):
+            torch.testing.assert_close(a["logprobs"], b["logprobs"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(together[0].loss_fn_outputs[0]["logprobs"], together[1].loss_fn_outputs[0]["logprobs"])
+    for adapter_id in "ab":
+        ours = {n: p.grad for n, p in sharing.adapter(adapter_id).named_parameters()}
+        for name, g in plain.adapter(adapter_id).named_parameters():
+            assert rel_err(ours[name], g.grad) <= 1e-5, (adapter_id, name)
