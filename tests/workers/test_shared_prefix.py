@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from service.settings import Settings
 from tests.workers.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
 from workers.trainer.adapters import LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request
 from workers.trainer.engine import TrainerEngine
-from service.settings import Settings
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS, group_mask, share_plan
 
 VOCAB = 512
