@@ -54,15 +54,20 @@ def rl_group(gen: torch.Generator, prompt_len: int, completion_lens, loss_fn: st
     return data
 
 
+def add_adapter(engine: TrainerEngine, adapter_id: str, config: LoraConfig, seed: int) -> None:
+    """An adapter with a non-zero B (a fresh one's is zero), the same for the same seed."""
+    adapter = engine.create_adapter(adapter_id, config)
+    with torch.no_grad():
+        for i, w in enumerate(adapter.weights.values()):
+            w.lora_b.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed + i))
+
+
 def engines(model_path):
     """The same adapter in an engine that shares rows and one that never does."""
     pair = []
     for min_shared in (8, 0):
         engine = TrainerEngine(model_path, min_shared_prefix=min_shared)
-        adapter = engine.create_adapter("a", LoraConfig(rank=4, seed=1))
-        with torch.no_grad():
-            for i, w in enumerate(adapter.weights.values()):
-                w.lora_b.normal_(0, 0.1, generator=torch.Generator().manual_seed(i))
+        add_adapter(engine, "a", LoraConfig(rank=4, seed=1), seed=0)
         pair.append(engine)
     return pair
 
@@ -141,10 +146,7 @@ def test_tenants_with_the_same_prompt_each_get_their_own_numbers(tiny_model_path
     data = rl_group(gen, 20, (6, 3, 8), "ppo")
     sharing, plain = engines(tiny_model_path)
     for engine in (sharing, plain):
-        adapter = engine.create_adapter("b", LoraConfig(rank=8, seed=2))
-        with torch.no_grad():
-            for i, w in enumerate(adapter.weights.values()):
-                w.lora_b.normal_(0, 0.1, generator=torch.Generator().manual_seed(100 + i))
+        add_adapter(engine, "b", LoraConfig(rank=8, seed=2), seed=100)
     requests = [ForwardBackwardInput("a", data, "ppo"), ForwardBackwardInput("b", data, "ppo")]
     together = sharing.forward_backward(requests)
     for request, ours in zip(requests, together):
