@@ -11,7 +11,12 @@ from db.models import Quota
 
 
 def _quota(db: Session, tenant_id: str) -> Quota | None:
-    return db.get(Quota, tenant_id)
+    """The tenant's limits, read once per database session (one request checks several; most
+    tenants have no row, and the session's identity map does not remember a miss)."""
+    key = ("quota", tenant_id)
+    if key not in db.info:
+        db.info[key] = db.get(Quota, tenant_id)
+    return db.info[key]
 
 
 def _refuse(limit: str, value: int, detail: str) -> HTTPException:

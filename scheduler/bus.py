@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Request, RequestState
-from scheduler.notify import Notifier
+from scheduler.notify import Answer, Notifier
 from scheduler.ordering import QueuedRequest
 from scheduler.sampling import SAMPLE, SamplerBusy, SamplerUnavailable
 from workers.celery_app import live_registrations, sampler_key
@@ -78,7 +78,8 @@ class FinishedPublisher:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
 
-    def notify(self, request_id: str) -> None:
+    def notify(self, request_id: str, answer: Answer | None = None) -> None:
+        # only the id travels: a replica's woken long-poll reads the answer from the database
         self.redis.publish(FINISHED, request_id)
 
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Request, RequestState, utcnow
 from loraplex.wire.codec import encode_sample_response
-from scheduler.notify import Notifier
+from scheduler.notify import Answer, Notifier
 from workers.sampler.jobs import SampleJob, SampleResult
 from workers.trainer.errors import EngineError
 
@@ -85,9 +85,10 @@ class SamplingDispatcher:
                 row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage
             row.finished_at = utcnow()
             s.commit()
+            answer = Answer(row.result, row.result_content_type, row.error)
         with self._lock:
             self._in_flight.discard(request_id)
-        self.notifier.notify(request_id)
+        self.notifier.notify(request_id, answer)
 
     def close(self) -> None:
         self.engine.close()

@@ -26,7 +26,7 @@ from datetime import timedelta
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 from scheduler import metrics
 from scheduler.executor import Job, Outcome
-from scheduler.notify import Notifier
+from scheduler.notify import Answer, Notifier
 from scheduler.ordering import REJECTED, QueuedRequest, ReorderBuffer
 from scheduler.planner import Cycle, CyclePlanner
 from scheduler.sampling import SAMPLE
@@ -209,30 +209,40 @@ class SchedulerService:
             log.exception("cycle failed")
             outcomes = {q.id: Outcome.failed(f"internal error: {e}", "server") for q in requests}
         observe(cycle, outcomes)
-        self._store(requests, outcomes, started_at)
+        answers = self._store(requests, outcomes, started_at)
         self.buffer.finish(requests)
         for q in requests:
-            self.notifier.notify(q.id)
+            self.notifier.notify(q.id, answers[q.id])
         return True
 
-    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at) -> None:
+    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at) -> dict[str, Answer]:
+        """Commit every request's outcome and its model's progress together; the answers, as stored."""
+        answers, updates, checkpoints, progress = {}, [], [], {}
+        now = utcnow()
+        for q in requests:
+            outcome = outcomes.get(q.id) or Outcome.failed("no outcome was produced", "server")
+            answers[q.id] = Answer(outcome.result, outcome.content_type, outcome.error)
+            updates.append({
+                "id": q.id, "result": outcome.result, "result_content_type": outcome.content_type,
+                "error": outcome.error, "state": RequestState.FAILED if outcome.error else RequestState.DONE,
+                "started_at": started_at, "finished_at": now,
+            })
+            if outcome.checkpoint:
+                checkpoints.append((q, outcome.checkpoint))
+            progress[q.model_id] = max(progress.get(q.model_id, q.seq_id), q.seq_id)
         with self.sessions() as s:
-            now = utcnow()
-            rows = {r.id: r for r in s.scalars(sa.select(Request).where(Request.id.in_([q.id for q in requests])))}
-            for q in requests:
-                outcome = outcomes.get(q.id) or Outcome.failed("no outcome was produced", "server")
-                row = rows[q.id]
-                row.result, row.result_content_type, row.error = outcome.result, outcome.content_type, outcome.error
-                row.state = RequestState.FAILED if outcome.error else RequestState.DONE
-                row.started_at, row.finished_at = started_at, now
-                if outcome.checkpoint:
-                    self._record_checkpoint(s, q, outcome.checkpoint)
+            # by primary key, without loading the rows (a cycle's database work is on every request's latency)
+            s.execute(sa.update(Request), updates)
+            for q, checkpoint in checkpoints:
+                self._record_checkpoint(s, q, checkpoint)
+            for model_id, seq_id in progress.items():
                 s.execute(
                     sa.update(TrainingModel)
-                    .where(TrainingModel.id == q.model_id, TrainingModel.last_applied_seq_id < q.seq_id)
-                    .values(last_applied_seq_id=q.seq_id)
+                    .where(TrainingModel.id == model_id, TrainingModel.last_applied_seq_id < seq_id)
+                    .values(last_applied_seq_id=seq_id)
                 )
             s.commit()
+        return answers
 
     @staticmethod
     def _record_checkpoint(s: Session, q: QueuedRequest, info: dict) -> None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import CurrentTenant
+from api.deps import ApiKeyHeader, TenantRef, in_tenant_session
 from db.models import Request as RequestRow
 from db.models import RequestState
+from scheduler.notify import Answer
 
 router = APIRouter()
 FINISHED = (RequestState.DONE, RequestState.FAILED)
@@ -26,32 +29,45 @@ class RetrieveFuture(BaseModel):
     allow_metadata_only: bool = False
 
 
-def _load(request: Request, request_id: str) -> RequestRow | None:
-    with request.app.state.sessions() as s:
-        row = s.get(RequestRow, request_id)
-        if row is not None:
-            s.expunge(row)
-        return row
+def _stored(db: Session, request_id: str):
+    return db.execute(
+        sa.select(RequestRow.tenant_id, RequestRow.state, RequestRow.result, RequestRow.result_content_type,
+                  RequestRow.error).where(RequestRow.id == request_id)
+    ).first()
+
+
+def _answer_if_finished(row) -> Answer | None:
+    return Answer(row.result, row.result_content_type, row.error) if row.state in FINISHED else None
+
+
+def _owned_answer(db: Session, tenant: TenantRef, request_id: str) -> Answer | None:
+    row = _stored(db, request_id)
+    if row is None or row.tenant_id != tenant.id:
+        raise HTTPException(404, f"request_id: no request {request_id!r}")
+    return _answer_if_finished(row)
+
+
+def _reread(request: Request, request_id: str) -> Answer | None:
+    with request.app.state.sessions() as db:
+        return _answer_if_finished(_stored(db, request_id))
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: RetrieveFuture, request: Request, tenant: CurrentTenant) -> Response:
+async def retrieve_future(body: RetrieveFuture, request: Request, x_api_key: ApiKeyHeader = None) -> Response:
     deadline = time.monotonic() + request.app.state.settings.long_poll_seconds
-    with request.app.state.notifier.watch(body.request_id) as finished:
-        while True:
-            row = await run_in_threadpool(_load, request, body.request_id)
-            if row is None or row.tenant_id != tenant.id:
-                raise HTTPException(404, f"request_id: no request {body.request_id!r}")
-            if row.state in FINISHED:
-                break
+    with request.app.state.notifier.watch(body.request_id) as watch:
+        answer = await in_tenant_session(request, x_api_key, lambda db, tenant: _owned_answer(db, tenant, body.request_id))
+        while answer is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return JSONResponse({"type": "try_again", "request_id": row.id, "queue_state": "active"})
+                return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
             try:
-                await asyncio.wait_for(finished.wait(), timeout=min(remaining, RECHECK_SECONDS))
+                await asyncio.wait_for(watch.finished.wait(), timeout=min(remaining, RECHECK_SECONDS))
             except asyncio.TimeoutError:
                 pass
-            finished.clear()
-    if row.error is not None:
-        return JSONResponse(row.error)
-    return Response(row.result, media_type=row.result_content_type)
+            watch.finished.clear()
+            # the scheduler of this process hands over the committed answer; other wake-ups re-read it
+            answer = watch.answer or await run_in_threadpool(_reread, request, body.request_id)
+    if answer.error is not None:
+        return JSONResponse(answer.error)
+    return Response(answer.result, media_type=answer.content_type)

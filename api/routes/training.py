@@ -12,11 +12,11 @@ from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
-from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, Field
+from sqlalchemy.orm import Session
 
 from api import quotas
-from api.deps import DB, CurrentTenant
+from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
 from api.paths import (
     TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
 )
@@ -123,12 +123,12 @@ def get_info(body: ModelRef, request: Request, tenant: CurrentTenant, db: DB) ->
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, tenant: CurrentTenant, db: DB) -> dict:
+async def forward_backward(request: Request, x_api_key: ApiKeyHeader = None) -> dict:
     body = await request.body()
-    return await run_in_threadpool(_accept_forward_backward, request, body, tenant.id, db)
+    return await in_tenant_session(request, x_api_key, lambda db, tenant: _accept_forward_backward(request, body, tenant.id, db))
 
 
-def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: DB) -> dict:
+def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: Session) -> dict:
     settings, info = request.app.state.settings, request.app.state.model_info
     if len(body) > settings.max_request_bytes:
         raise HTTPException(413, f"body: {len(body)} bytes exceed the limit of {settings.max_request_bytes}")
@@ -159,7 +159,11 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
 
 
 @router.post("/optim_step")
-def optim_step(body: OptimStep, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+async def optim_step(body: OptimStep, request: Request, x_api_key: ApiKeyHeader = None) -> dict:
+    return await in_tenant_session(request, x_api_key, lambda db, tenant: _accept_optim_step(request, body, tenant, db))
+
+
+def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db: Session) -> dict:
     owned_model(db, tenant.id, body.model_id)
     raw = body.adam_params or body.optimizer_params or body.optim_params or {}
     with seq_id_used_even_if_refused(request, db, tenant.id, body.model_id, body.seq_id):
