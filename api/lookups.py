@@ -19,9 +19,19 @@ def owned_session(db: Session, tenant_id: str, session_id: str) -> ClientSession
 
 def owned_model(db: Session, tenant_id: str, model_id: str) -> TrainingModel:
     row = db.get(TrainingModel, model_id)
+    _refuse_unless_owned(row, tenant_id, model_id)
+    return row
+
+
+def check_owned_model(db: Session, tenant_id: str, model_id: str) -> None:
+    """owned_model without loading the row: the hot routes (forward_backward, optim_step) only check."""
+    row = db.execute(sa.select(TrainingModel.tenant_id, TrainingModel.deleted_at).where(TrainingModel.id == model_id)).first()
+    _refuse_unless_owned(row, tenant_id, model_id)
+
+
+def _refuse_unless_owned(row, tenant_id: str, model_id: str) -> None:
     if row is None or row.tenant_id != tenant_id or row.deleted_at is not None:
         raise HTTPException(404, f"model_id: no model {model_id!r}")
-    return row
 
 
 def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:

@@ -20,7 +20,7 @@ from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_sessi
 from api.paths import (
     TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
 )
-from api.lookups import owned_model, owned_session, resolve_checkpoint, served_model
+from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
 from api.submit import seq_id_used_even_if_refused, submit
 from db.models import Checkpoint, Sampler, TrainingModel
 from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
@@ -137,7 +137,7 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
         wire = decode_forward_backward_request(proto, None)
     except WireError as e:
         raise HTTPException(400, str(e)) from None
-    owned_model(db, tenant_id, wire.model_id)
+    check_owned_model(db, tenant_id, wire.model_id)
     if wire.seq_id < 1:
         raise HTTPException(400, f"seq_id: must be >= 1, got {wire.seq_id}")
     engine_request = ForwardBackwardInput(
@@ -164,7 +164,7 @@ async def optim_step(body: OptimStep, request: Request, x_api_key: ApiKeyHeader 
 
 
 def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db: Session) -> dict:
-    owned_model(db, tenant.id, body.model_id)
+    check_owned_model(db, tenant.id, body.model_id)
     raw = body.adam_params or body.optimizer_params or body.optim_params or {}
     with seq_id_used_even_if_refused(request, db, tenant.id, body.model_id, body.seq_id):
         if raw.get("type", "adamw") not in ("adam", "adamw"):
