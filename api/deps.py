@@ -1,8 +1,8 @@
 """FastAPI dependencies: the database session and the tenant behind the X-API-Key header.
 
 The hot routes (forward_backward, optim_step, retrieve_future) authenticate inside the one
-worker-thread call that does their database work (`in_tenant_session`): each sync dependency is a
-thread hand-off of its own, and on a loaded 2-core machine each hand-off cost as much as a query.
+worker-thread call that does their database work (`in_tenant_session`): FastAPI runs each sync
+dependency in the thread pool on its own, and every hand-off waits for the GIL on a busy server.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class Watch:
         self.finished = asyncio.Event()
         self.answer: Answer | None = None  # set with `finished` when the notifier knows it
 
-    def _wake(self, answer: Answer | None) -> None:
+    def wake(self, answer: Answer | None) -> None:
         if answer is not None:
             self.answer = answer
         self.finished.set()
@@ -66,4 +66,4 @@ class Notifier:
         with self._lock:
             waiters = list(self._waiters.get(request_id, []))
         for loop, watch in waiters:
-            loop.call_soon_threadsafe(watch._wake, answer)
+            loop.call_soon_threadsafe(watch.wake, answer)
