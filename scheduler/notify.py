@@ -26,6 +26,11 @@ class Answer:
     content_type: str | None
     error: dict[str, Any] | None
 
+    @classmethod
+    def of_row(cls, row) -> "Answer":
+        """From a `db.models.Request` row, or a selected row with the same column names."""
+        return cls(row.result, row.result_content_type, row.error)
+
 
 class Watch:
     """One long-poll's wait for one request."""

@@ -85,7 +85,7 @@ class SamplingDispatcher:
                 row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage
             row.finished_at = utcnow()
             s.commit()
-            answer = Answer(row.result, row.result_content_type, row.error)
+            answer = Answer.of_row(row)
         with self._lock:
             self._in_flight.discard(request_id)
         self.notifier.notify(request_id, answer)

@@ -37,7 +37,7 @@ def _stored(db: Session, request_id: str):
 
 
 def _answer_if_finished(row) -> Answer | None:
-    return Answer(row.result, row.result_content_type, row.error) if row.state in FINISHED else None
+    return Answer.of_row(row) if row.state in FINISHED else None
 
 
 def _owned_answer(db: Session, tenant: TenantRef, request_id: str) -> Answer | None:
