@@ -1,4 +1,4 @@
-"""The CPU backends of the segmented LoRA autograd function agree: the padded-bmm path against the
+"""The CPU backends of the segmented LoRA autograd functions agree: the padded-bmm path against the
 segment loop (which matches peft), on the grid's view layout and its gather layout."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from workers.sgmv import segmented_lora
 from workers.sgmv.padded_segments import segment_grid
-from workers.sgmv.segmented_lora import Segment, apply_segmented_lora
+from workers.sgmv.segmented_lora import Segment, apply_lora_group, apply_segmented_lora
 
 IN, OUT = 24, 40
 
@@ -82,3 +82,54 @@ def test_grid_layouts():
 def test_auto_choice_on_cpu(bounds, out_features, expected):
     x = torch.zeros(bounds[-1][1], 4)
     assert segmented_lora._choose("auto", x, out_features, bounds) == expected
+
+
+GROUP_OUTS = (40, 16, 16)  # a q/k/v-like group: layers of different widths reading one input
+
+
+def _group_run(grouped: bool, backend: str, bounds, ranks, n_rows):
+    """Outputs, dX and every dA, dB of a group of layers, computed as one node or layer by layer."""
+    gen = torch.Generator().manual_seed(11)
+    layers = [torch.nn.Linear(IN, out, bias=i == 1) for i, out in enumerate(GROUP_OUTS)]  # one with a bias
+    for layer in layers:
+        layer.requires_grad_(False)
+        for tensor in layer.parameters():
+            torch.nn.init.normal_(tensor, generator=gen)
+    segments = []
+    for out in GROUP_OUTS:
+        layer_segments = []
+        for (start, end), rank in zip(bounds, ranks):
+            a = torch.randn(rank, IN, generator=gen).requires_grad_()
+            b = torch.randn(out, rank, generator=gen).requires_grad_()
+            layer_segments.append(Segment(start, end, a, b, scale=float(rank) / 3))
+        segments.append(layer_segments)
+    x = torch.randn(n_rows, IN, generator=gen).requires_grad_()
+    grad_outs = [torch.randn(n_rows, out, generator=gen) for out in GROUP_OUTS]
+    if grouped:
+        outs = apply_lora_group(x * 1, layers, segments, backend)
+        assert len({out.grad_fn for out in outs}) == 1  # one autograd node for the whole group
+    else:
+        outs = [apply_segmented_lora(x * 1, layer(x * 1), segs, backend) for layer, segs in zip(layers, segments)]
+    torch.autograd.backward(outs, grad_outs)
+    weights = [w.grad for segs in segments for s in segs for w in (s.lora_a, s.lora_b)]
+    return [out.detach() for out in outs] + [x.grad] + weights
+
+
+@pytest.mark.parametrize("backend", ["loop", "bmm"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "one adapter, every row"])
+def test_group_equals_layer_by_layer(layout, backend):
+    bounds, n_rows = LAYOUTS.get(layout, ([(0, 9)], 9))
+    ranks = [4, 8, 2, 8][: len(bounds)]
+    got = _group_run(True, backend, bounds, ranks, n_rows)
+    want = _group_run(False, "loop", bounds, ranks, n_rows)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, i
+        # fp32 rounding of products summed in another order: ~1e-7 of the largest value
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=f"tensor {i}")
+
+
+def test_group_rejects_layers_with_different_segments():
+    layers = [torch.nn.Linear(IN, 8), torch.nn.Linear(IN, 8)]
+    a, b = torch.zeros(2, IN), torch.zeros(8, 2)
+    with pytest.raises(ValueError, match="same, non-empty segments"):
+        apply_lora_group(torch.zeros(6, IN), layers, [[Segment(0, 6, a, b, 1.0)], [Segment(0, 5, a, b, 1.0)]])

@@ -1,4 +1,4 @@
-"""The LoRA delta of many adapters over packed tokens, as one autograd function.
+"""The LoRA delta of many adapters over packed tokens, as autograd functions.
 
 Tokens are packed so that each adapter owns one contiguous row range (a segment). For segment s
 with adapter weights A_s [r_s, in], B_s [out, r_s] and scale s_s:
@@ -10,12 +10,20 @@ with adapter weights A_s [r_s, in], B_s [out, r_s] and scale s_s:
               dX_s = dV @ A_s                   (an expand)
               dB_s = g^T @ v,  dA_s = dV^T @ x_s (per-segment reductions over tokens)
 
-Three backends compute the same math:
+Two entry points:
+- `apply_segmented_lora`: one layer's delta, added into a base output computed elsewhere (every
+  backend, the GPU's included);
+- `apply_lora_group`: the base outputs and LoRA deltas of the layers that read one input (an
+  attention block's q/k/v, an MLP's gate/up, or one layer alone) as one autograd node, on CPU.
+  Their shrinks are one matmul over the layers' concatenated A's, and their input gradient is
+  one sum built in place, where per-op and per-node costs dominate small passes.
+
+Backends of the segment math:
 - "loop": a segment loop of plain torch matmuls (it performs the same matmuls as peft, so
   results match peft bit for bit or nearly so);
 - "bmm": one batched matmul per product over segments padded to a common width (CPU; see
   padded_segments.py), which saves the per-call overhead that dominates small segments;
-- "triton": Triton SGMV kernels over rank-padded stacked weights (GPU).
+- "triton": Triton SGMV kernels over rank-padded stacked weights (GPU; `apply_segmented_lora`).
 "auto" picks Triton for GPU tensors; on CPU, bmm for several segments unless their padding
 would double the rows or the layer is vocabulary-wide (lm_head, where the loop's in-place
 update saves [tokens, vocab] temporaries and per-call overhead is negligible), else the loop.
@@ -27,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from workers.sgmv import padded_segments, segment_ops
 from workers.sgmv.padded_segments import segment_grid, stack_padded
@@ -85,14 +94,8 @@ class _SegmentedLoRA(torch.autograd.Function):
         # `saved`: what each method's backward reuses (v, or the stacked weights and v)
         if method == "triton":
             saved = _triton_forward(x2, out2, bounds, scales, lora_as, lora_bs)
-        elif method == "bmm":
-            saved = padded_segments.forward_(x2, out2, segment_grid(bounds, x2.shape[0]), scales, lora_as, lora_bs)
         else:
-            saved = []
-            for (start, end), a, b, scale in zip(bounds, lora_as, lora_bs, scales):
-                v = segment_ops.shrink(x2, a, slice(start, end))
-                segment_ops.expand_(out2, v, b, slice(start, end), scale)  # in place: out can be vocab wide
-                saved.append(v)
+            saved = _cpu_forward_(method, x2, [out2], bounds, scales, [lora_as], [lora_bs])
         ctx.mark_dirty(base_out)
         ctx.bounds, ctx.scales, ctx.method, ctx.x_shape = bounds, scales, method, x.shape
         ctx.ranks = [a.shape[0] for a in lora_as]
@@ -101,41 +104,112 @@ class _SegmentedLoRA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        bounds, scales = ctx.bounds, ctx.scales
-        n = len(bounds)
+        n = len(ctx.bounds)
         saved = ctx.saved_tensors
         x2, lora_as, lora_bs, extra = saved[0], saved[1 : 1 + n], saved[1 + n : 1 + 2 * n], saved[1 + 2 * n :]
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         need_dx = ctx.needs_input_grad[0]
         if ctx.method == "triton":
             dx, grad_as, grad_bs = _triton_backward(x2, g2, lora_as, lora_bs, extra, need_dx)
-        elif ctx.method == "bmm":
-            grid = segment_grid(bounds, x2.shape[0])
-            dx, grad_as, grad_bs = padded_segments.backward(g2, grid, extra, ctx.ranks, need_dx)
         else:
-            dx = _zeros_outside(x2, bounds) if need_dx else None
-            grad_as, grad_bs = [], []
-            for (start, end), a, b, v, scale in zip(bounds, lora_as, lora_bs, extra, scales):
-                g = g2[start:end]
-                # scale the small [tokens, rank] / [out, rank] products, never the [tokens, out] gradient
-                dv = (g @ b).mul_(scale)
-                grad_bs.append((g.t() @ v).mul_(scale))
-                grad_as.append(dv.t() @ x2[start:end])
-                if need_dx:
-                    torch.mm(dv, a, out=dx[start:end])
+            dx = torch.zeros_like(x2) if need_dx else None
+            (grad_as,), (grad_bs,) = _cpu_backward_(ctx.method, x2, [g2], dx, ctx.bounds, ctx.scales, extra,
+                                                    [lora_bs], ctx.ranks)
         dx = dx.view(ctx.x_shape) if need_dx else None
         return (dx, grad_out, None, None, None, *grad_as, *grad_bs)
 
 
-def _zeros_outside(x2: torch.Tensor, bounds) -> torch.Tensor:
-    """An uninitialised tensor like x2 whose rows outside every segment are zero."""
-    out = torch.empty_like(x2)
-    previous_end = 0
-    for start, end in bounds:
-        out[previous_end:start] = 0
-        previous_end = end
-    out[previous_end:] = 0
-    return out
+def apply_lora_group(
+    x: torch.Tensor, layers: list[torch.nn.Linear], segments: list[list[Segment]], backend: str = "auto"
+) -> list[torch.Tensor]:
+    """[layer(x) + its LoRA delta for each layer and its segments], as one autograd node (CPU
+    backends only). Every layer's segments must cover the same rows with the same adapters (so the
+    same rank and scale per segment); the base layers are frozen (they get no gradient)."""
+    bounds = tuple((s.start, s.end) for s in segments[0])
+    if not bounds or any(tuple((s.start, s.end) for s in segs) != bounds for segs in segments):
+        raise ValueError("every layer of a LoRA group needs the same, non-empty segments")
+    scales = tuple(s.scale for s in segments[0])
+    method = _choose(backend, x, max(layer.out_features for layer in layers), bounds)
+    if method == "triton":
+        raise ValueError("LoRA groups run on the CPU backends; on GPU use apply_segmented_lora per layer")
+    weights = [s.lora_a.to(x.dtype) for segs in segments for s in segs]
+    weights += [s.lora_b.to(x.dtype) for segs in segments for s in segs]
+    bases = tuple((layer.weight, layer.bias) for layer in layers)
+    return list(_LoRAGroup.apply(x, bases, bounds, scales, method, *weights))
+
+
+class _LoRAGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bases, bounds, scales, method, *weights):
+        half = len(weights) // 2
+        lora_as, lora_bs = _by_layer(weights[:half], len(bounds)), _by_layer(weights[half:], len(bounds))
+        x2 = x.reshape(-1, x.shape[-1])
+        outs = [F.linear(x2, weight, bias) for weight, bias in bases]
+        saved = _cpu_forward_(method, x2, outs, bounds, scales, lora_as, lora_bs)
+        ctx.bases, ctx.bounds, ctx.scales, ctx.method, ctx.x_shape = bases, bounds, scales, method, x.shape
+        ctx.ranks = [a.shape[0] for a in lora_as[0]]
+        ctx.save_for_backward(x2, *weights[half:], *saved)
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        n_b = len(ctx.bases) * len(ctx.bounds)
+        x2, lora_bs, extra = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n_b], ctx.saved_tensors[1 + n_b :]
+        gs = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
+        dx = None
+        if ctx.needs_input_grad[0]:  # the base layers' part, sum of g_i @ W_i, built in place
+            for g, (weight, _) in zip(gs, ctx.bases):
+                dx = g @ weight if dx is None else dx.addmm_(g, weight)
+        grad_as, grad_bs = _cpu_backward_(ctx.method, x2, gs, dx, ctx.bounds, ctx.scales, extra,
+                                          _by_layer(lora_bs, len(ctx.bounds)), ctx.ranks)
+        dx = dx.view(ctx.x_shape) if dx is not None else None
+        flat = [g for layer in grad_as for g in layer] + [g for layer in grad_bs for g in layer]
+        return (dx, None, None, None, None, *flat)
+
+
+def _by_layer(flat, n_segments: int) -> list[tuple]:
+    """[every layer's matrices, segment after segment] -> one tuple per layer."""
+    return [tuple(flat[i : i + n_segments]) for i in range(0, len(flat), n_segments)]
+
+
+# --- CPU backends, over the layers of a group (one layer for apply_segmented_lora) --------------
+
+
+def _cpu_forward_(method, x2, outs, bounds, scales, lora_as, lora_bs) -> list[torch.Tensor]:
+    """outs[i] += layer i's LoRA delta, in place; returns the tensors the backward reuses."""
+    if method == "bmm":
+        return padded_segments.forward_(x2, outs, segment_grid(bounds, x2.shape[0]), scales, lora_as, lora_bs)
+    saved = []
+    for s, ((start, end), scale) in enumerate(zip(bounds, scales)):
+        a_cat = _concat([a[s] for a in lora_as], dim=0)
+        v = segment_ops.shrink(x2, a_cat, slice(start, end))  # [rows, layers * rank]
+        for out, b, v_layer in zip(outs, lora_bs, v.chunk(len(outs), dim=1)):
+            segment_ops.expand_(out, v_layer, b[s], slice(start, end), scale)  # in place: out can be vocab wide
+        saved += [a_cat, v]
+    return saved
+
+
+def _cpu_backward_(method, x2, gs, dx, bounds, scales, saved, lora_bs, ranks):
+    """Adds the LoRA part of dX into dx (unless None); returns dA and dB per layer and segment."""
+    if method == "bmm":
+        return padded_segments.backward_(gs, dx, segment_grid(bounds, x2.shape[0]), saved, ranks)
+    grad_as, grad_bs = [[] for _ in gs], [[] for _ in gs]
+    for s, ((start, end), scale) in enumerate(zip(bounds, scales)):
+        a_cat, v = saved[2 * s], saved[2 * s + 1]
+        rows = [g[start:end] for g in gs]
+        # scale the small [tokens, rank] / [out, rank] products, never the [tokens, out] gradient
+        dv = _concat([g @ b[s] for g, b in zip(rows, lora_bs)], dim=1).mul_(scale)
+        for i, (g, v_layer) in enumerate(zip(rows, v.chunk(len(gs), dim=1))):
+            grad_bs[i].append((g.t() @ v_layer).mul_(scale))
+        for i, grad_a in enumerate((dv.t() @ x2[start:end]).chunk(len(gs), dim=0)):
+            grad_as[i].append(grad_a)
+        if dx is not None:
+            dx[start:end].addmm_(dv, a_cat)
+    return grad_as, grad_bs
+
+
+def _concat(mats: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return mats[0] if len(mats) == 1 else torch.cat(mats, dim=dim)
 
 
 # --- GPU backend: Triton SGMV kernels over rank-padded stacked weights -------------------------

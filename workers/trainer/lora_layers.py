@@ -4,6 +4,11 @@ The engine swaps each targeted `nn.Linear` of the frozen base model for a `Multi
 Before a pass it publishes a `RoutingPlan` (which token rows belong to which adapter) on the
 shared `Router`; every wrapped layer reads it and applies its segments. With no plan the layer
 is exactly the base layer.
+
+Layers that read the same input (q/k/v of an attention block, gate/up of an MLP) form a
+`LayerGroup`: on CPU the first of them to be called computes all of their outputs in one
+autograd node (`apply_lora_group`) and the others pick theirs up, if they are called with that
+same input tensor; otherwise each layer computes its own.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from workers.sgmv.segmented_lora import Segment, apply_segmented_lora
+from workers.sgmv.segmented_lora import Segment, apply_lora_group, apply_segmented_lora
 
 if TYPE_CHECKING:
     from workers.trainer.adapters import Adapter
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass
@@ -48,8 +54,51 @@ class Router:
     """Holds the plan of the pass in flight; one per engine (the engine runs one pass at a time)."""
 
     def __init__(self, sgmv_backend: str = "auto") -> None:
-        self.plan: RoutingPlan | None = None
+        self._plan: RoutingPlan | None = None
         self.sgmv_backend = sgmv_backend
+        # outputs a group computed for members not called yet: group -> (input, its version, {member: output})
+        self._pending: dict[LayerGroup, tuple[torch.Tensor, int, dict[int, torch.Tensor]]] = {}
+
+    @property
+    def plan(self) -> RoutingPlan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: RoutingPlan | None) -> None:
+        self._plan = plan
+        self._pending.clear()
+
+    def group_output(self, group: "LayerGroup", member: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `member` of `group` applied to x: computed with the whole group, unless the group
+        already did so for this very input (same tensor, unchanged since)."""
+        pending = self._pending.get(group)
+        if pending is not None and pending[0] is x and pending[1] == x._version and member in pending[2]:
+            out = pending[2].pop(member)
+            if not pending[2]:
+                del self._pending[group]
+            return out
+        outs = group.outputs(self._plan, x, self.sgmv_backend)
+        rest = {i: out for i, out in enumerate(outs) if i != member}
+        if rest:
+            self._pending[group] = (x, x._version, rest)
+        return outs[member]
+
+
+class LayerGroup:
+    """Base Linear layers that read one input, with their module paths (a single layer is a group
+    of one)."""
+
+    def __init__(self, paths: list[str], layers: list[nn.Linear]) -> None:
+        self.paths, self.layers = paths, layers
+
+    def outputs(self, plan: RoutingPlan, x: torch.Tensor, backend: str) -> list[torch.Tensor]:
+        segments = [plan.segments_for(path) for path in self.paths]
+        if not any(segments):
+            return [layer(x) for layer in self.layers]
+        rows = [[(s.start, s.end) for s in segs] for segs in segments]
+        if x.is_cuda or backend == "triton" or any(r != rows[0] for r in rows):
+            return [apply_segmented_lora(x, layer(x), segs, backend) for layer, segs in zip(self.layers, segments)]
+        return apply_lora_group(x, self.layers, segments, backend)
 
 
 class MultiLoRALinear(nn.Module):
@@ -58,6 +107,7 @@ class MultiLoRALinear(nn.Module):
         self.base = base
         self.module_path = module_path
         self.router = router
+        self.group, self.member = LayerGroup([module_path], [base]), 0
 
     @property
     def in_features(self) -> int:
@@ -72,11 +122,9 @@ class MultiLoRALinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        plan = self.router.plan
-        if plan is None:
-            return out
-        return apply_segmented_lora(x, out, plan.segments_for(self.module_path), self.router.sgmv_backend)
+        if self.router.plan is None:
+            return self.base(x)
+        return self.router.group_output(self.group, self.member, x)
 
 
 def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
@@ -95,4 +143,15 @@ def wrap_linear_layers(model: nn.Module, router: Router) -> dict[str, nn.Linear]
             parent = model.get_submodule(parent_path) if parent_path else model
             setattr(parent, attr, MultiLoRALinear(module, path, router))
             wrapped[path] = module
+    _group_shared_inputs(model)
     return wrapped
+
+
+def _group_shared_inputs(model: nn.Module) -> None:
+    for parent in model.modules():
+        for names in SHARED_INPUT_GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if all(isinstance(m, MultiLoRALinear) for m in members) and len({m.in_features for m in members}) == 1:
+                group = LayerGroup([m.module_path for m in members], [m.base for m in members])
+                for i, m in enumerate(members):
+                    m.group, m.member = group, i
