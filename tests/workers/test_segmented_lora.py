@@ -8,6 +8,7 @@ import torch
 
 from workers.sgmv import segmented_lora
 from workers.sgmv.padded_segments import segment_grid
+from workers.sgmv.segment_ops import padded_groups, padded_lora_
 from workers.sgmv.segmented_lora import Segment, apply_lora_group, apply_segmented_lora
 
 IN, OUT = 24, 40
@@ -64,13 +65,32 @@ def test_grid_layouts():
     assert view.is_view and (view.groups, view.width) == (2, 4)
     rows = torch.arange(12.0).view(12, 1)
     assert view.to_cells(rows).flatten().tolist() == list(range(2, 10))
-    assert view.from_cells(view.to_cells(rows)).flatten().tolist() == [0, 0, *range(2, 10), 0, 0]
+    back = torch.zeros(12, 1)
+    view.add_from_cells_(back, view.to_cells(rows))
+    assert back.flatten().tolist() == [0, 0, *range(2, 10), 0, 0]
 
     gather = segment_grid(((0, 3), (5, 6)), 7)
-    assert not gather.is_view and gather.width == 4  # the longest segment plus a spare zero cell
+    assert not gather.is_view and gather.width == 3  # the longest segment
     cells = gather.to_cells(rows[:7] + 1)
-    assert cells.flatten().tolist() == [1, 2, 3, 0, 6, 0, 0, 0]
-    assert gather.from_cells(cells).flatten().tolist() == [1, 2, 3, 0, 0, 6, 0]
+    assert cells.flatten().tolist() == [1, 2, 3, 6, 0, 0]
+    back = torch.full((7, 1), -1.0)
+    gather.add_from_cells_(back, cells.fill_(float("nan")))
+    assert back[[3, 4, 6]].flatten().tolist() == [-1, -1, -1]  # rows outside every segment are not touched
+
+
+def test_rows_without_adapter_are_untouched_by_a_diverged_adapter():
+    """The sampler's interleaved layout: rows of the base model (slot -1) beside rows of a tenant
+    whose adapter holds NaN keep exactly the base output."""
+    slots = torch.tensor([0, -1, 1, 0, -1, 1])
+    groups = padded_groups(slots)
+    x = torch.randn(6, IN)
+    a_t, b_t = torch.randn(2, IN, 3), torch.randn(2, 3, OUT)
+    a_t[0] = float("nan")
+    out = torch.zeros(6, OUT)
+    padded_lora_(out, x, groups, a_t, [b_t])
+    assert not out[[1, 4]].any()  # exactly the base output (zero here)
+    assert out[[0, 3]].isnan().all() and out[[2, 5]].isfinite().all()
+    torch.testing.assert_close(out[[2, 5]], x[[2, 5]] @ a_t[1] @ b_t[1])
 
 
 @pytest.mark.parametrize("bounds,out_features,expected", [

@@ -5,7 +5,8 @@ On a CPU a rank-16 LoRA matmul over a few dozen rows is mostly per-call overhead
 over 8 segments of 32 rows is ~4x faster than the 8 matmuls it replaces, forward and backward).
 Here the rows are laid out as a [segments, width, features] grid: a plain view when the segments
 are equally long and back to back (the common case of many tenants' equal-sized requests), an
-index gather otherwise, with a zero row in every padding cell so padding never adds a delta.
+index gather otherwise: padding cells read a zero row and are never written back, so only the
+rows of a segment get a delta.
 Ranks are padded to the largest one with zeros, which adds nothing either. The functions take
 the layers of a group that reads one input (segmented_lora.apply_lora_group), or one layer.
 """
@@ -44,17 +45,12 @@ class SegmentGrid:
             return self.padded.gather(rows)
         return rows[self.first: self.first + self.groups * self.width].view(self.groups, self.width, -1)
 
-    def from_cells(self, cells: torch.Tensor) -> torch.Tensor:
-        """[groups, width, f] -> [n_rows, f]; rows outside every segment are zero."""
+    def add_from_cells_(self, rows: torch.Tensor, cells: torch.Tensor) -> None:
+        """rows [n_rows, f] += cells [groups, width, f] in place, for the rows in a segment only."""
         if not self.is_view:
-            return self.padded.scatter(cells)
-        flat = cells.reshape(-1, cells.shape[-1])
-        rows = flat.new_empty(self.n_rows, flat.shape[1])
-        end = self.first + flat.shape[0]
-        rows[: self.first] = 0
-        rows[self.first: end] = flat
-        rows[end:] = 0
-        return rows
+            self.padded.add_scattered_(rows, cells)
+        else:
+            rows[self.first: self.first + self.groups * self.width].add_(cells.reshape(-1, cells.shape[-1]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -65,7 +61,7 @@ def segment_grid(bounds: tuple[tuple[int, int], ...], n_rows: int) -> SegmentGri
     back_to_back = all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
     if back_to_back and len(set(lengths)) == 1:
         return SegmentGrid(n_rows, len(bounds), lengths[0], bounds[0][0], None)
-    padded = padded_ranges(bounds, n_rows)  # one spare cell per group at least: rows outside segments read a zero
+    padded = padded_ranges(bounds, n_rows)
     return SegmentGrid(n_rows, len(bounds), padded.cells.shape[1], 0, padded)
 
 
@@ -97,7 +93,7 @@ def forward_(x2, outs, grid: SegmentGrid, scales, lora_as, lora_bs):
         if grid.is_view:
             grid.to_cells(out).baddbmm_(v, b.transpose(1, 2))
         else:
-            out.add_(grid.from_cells(torch.bmm(v, b.transpose(1, 2))))
+            grid.add_from_cells_(out, torch.bmm(v, b.transpose(1, 2)))
     return [x_cells, a_cat, scale, scaled_v, *stacked_bs]
 
 
@@ -119,5 +115,5 @@ def backward_(gs, dx, grid: SegmentGrid, saved, ranks: list[int]):
         if grid.is_view:
             grid.to_cells(dx).baddbmm_(dv, a_cat)
         else:
-            dx.add_(grid.from_cells(torch.bmm(dv, a_cat)))
+            grid.add_from_cells_(dx, torch.bmm(dv, a_cat))
     return grad_as, grad_bs

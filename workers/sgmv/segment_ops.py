@@ -61,30 +61,38 @@ class PaddedGroups:
     """Rows grouped by adapter slot into a [groups, width] grid of row indices, so that all
     adapters' shrinks are one bmm and all expands another (a loop over adapters costs ~15x more
     in op overhead at decode sizes). Cells past a group's rows hold `n_rows`, the index of an
-    all-zero row appended to x; every row without an adapter maps to one such cell, so its delta
-    is exactly zero. Each group is one wider than its rows: there is always such a cell."""
+    all-zero row appended to x. Results are written back to the rows that have an adapter only:
+    a row without one is never touched, whatever another tenant's weights hold (a diverged
+    adapter's NaN times a zero row is still NaN)."""
 
     slots: tuple[int, ...]  # the adapter slot of each group
     cells: torch.Tensor  # [groups, width] row index into x plus a zero row
-    position: torch.Tensor  # [n_rows] each row's flat cell index
+    position: torch.Tensor  # [n_rows] each row's flat cell index (rows without an adapter: any)
+    covered: torch.Tensor | None  # the rows that have an adapter; None when every row has one
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[n_rows, f] -> [groups, width, f]; padding cells are zero."""
         return torch.cat([x, x.new_zeros(1, x.shape[1])])[self.cells.to(x.device)]
 
-    def scatter(self, cells: torch.Tensor) -> torch.Tensor:
-        """[groups, width, f] -> [n_rows, f]: each row's cell (a zero cell for rows in no group)."""
-        return cells.reshape(-1, cells.shape[-1]).index_select(0, self.position.to(cells.device))
+    def add_scattered_(self, out: torch.Tensor, cells: torch.Tensor) -> None:
+        """out[row] += the row's cell of `cells` [groups, width, f], for every row with an adapter."""
+        flat = cells.reshape(-1, cells.shape[-1])
+        if self.covered is None:
+            out.add_(flat.index_select(0, self.position.to(flat.device)))
+        else:
+            covered = self.covered.to(flat.device)
+            out.index_add_(0, covered, flat.index_select(0, self.position.to(flat.device)[covered]))
 
 
 def _padded(slots: tuple[int, ...], members: list[torch.Tensor], n_rows: int) -> PaddedGroups:
-    width = max(m.numel() for m in members) + 1
+    width = max(1, max(m.numel() for m in members))
     cells = torch.full((len(members), width), n_rows, dtype=torch.int64)
-    position = torch.full((n_rows,), width - 1, dtype=torch.int64)  # no adapter: group 0's spare cell
+    position = torch.zeros(n_rows, dtype=torch.int64)
     for g, rows in enumerate(members):
         cells[g, : rows.numel()] = rows
         position[rows] = g * width + torch.arange(rows.numel())
-    return PaddedGroups(slots, cells, position)
+    covered = torch.cat(members).sort().values
+    return PaddedGroups(slots, cells, position, None if covered.numel() == n_rows else covered)
 
 
 def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
@@ -115,5 +123,5 @@ def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: 
     r0 = o0 = 0
     for b_t in b_ts:
         rank, width = b_t.shape[1:]
-        out[:, o0: o0 + width].add_(groups.scatter(torch.bmm(v[:, :, r0: r0 + rank], b_t)))
+        groups.add_scattered_(out[:, o0: o0 + width], torch.bmm(v[:, :, r0: r0 + rank], b_t))
         r0, o0 = r0 + rank, o0 + width
