@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from workers.sampler.engine import SamplerConfig, SamplerEngine
@@ -108,6 +109,23 @@ def test_greedy_tokens_equal_peft_and_a_mixed_batch_equals_each_request_alone(en
             assert mixed[f"mixed-{i}-{name}"].sequences[0].tokens == expected[name], (name, i)
             assert mixed[f"mixed-{i}-{name}"].sequences[0].logprobs == pytest.approx(
                 alone[name].sequences[0].logprobs, abs=1e-5)
+
+
+def test_a_diverged_adapter_is_refused_and_changes_no_one_elses_tokens(engine, snapshots, tmp_path):
+    """A snapshot whose weights went to NaN (a diverged run) fails its own jobs with a user error;
+    the base-model request and the other tenant's request submitted with it get what they get alone."""
+    diverged = tmp_path / "diverged"
+    shutil.copytree(snapshots["alice"], diverged)
+    weights = load_file(diverged / "adapter_model.safetensors")
+    weights = {k: v.clone() for k, v in weights.items()}
+    next(iter(weights.values()))[0, 0] = float("nan")
+    save_file(weights, diverged / "adapter_model.safetensors")
+    alone = run(engine, [job("base", None), job("bob", snapshots["bob"])])
+    together = run(engine, [job("nan", str(diverged)), job("base", None), job("bob", snapshots["bob"])])
+    assert isinstance(together["nan"], EngineError) and together["nan"].category == "user"
+    assert "NaN or inf" in str(together["nan"])
+    for name in ("base", "bob"):
+        assert together[name].sequences[0].tokens == alone[name].sequences[0].tokens, name
 
 
 def test_prompt_logprobs_of_mixed_batches_equal_peft(engine, snapshots, peft_models):

@@ -220,6 +220,7 @@ class SamplerEngine:
         folder = self._folders.get(location) or store.local_folder(location)
         if folder is None:
             raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({location})")
+        _refuse_non_finite_weights(Path(folder))
         lora_id = next(self._next_lora_id)
         request = LoRARequest(f"snapshot-{lora_id}", lora_id, str(folder))
         self._engine.add_lora(request)  # load now: a broken folder fails this job, not the batch
@@ -331,3 +332,19 @@ class SamplerEngine:
                 return
             self._callbacks[job.request_id] = (job, on_done)
             self._finish(job.request_id, EngineError(message))
+
+
+def _refuse_non_finite_weights(folder: Path) -> None:
+    """A diverged adapter (NaN or inf weights) is not sampled: its rows would only hold garbage,
+    and NaN left in the KV cache blocks it used reached other tenants' later requests through
+    vLLM's CPU attention (seen with the tiny model: a base request's prompt logprobs turned NaN)."""
+    from safetensors import safe_open
+
+    weights = folder / "adapter_model.safetensors"
+    if not weights.exists():
+        return  # vLLM reports the missing file itself
+    with safe_open(str(weights), framework="pt") as f:
+        for name in f.keys():
+            if not f.get_tensor(name).isfinite().all():
+                raise InvalidInputError(
+                    "sampling_session_id", f"the adapter's weights hold NaN or inf ({name}): the training run diverged")
