@@ -186,3 +186,26 @@ def test_a_batch_split_into_several_passes_gives_the_same_results(engine, tiny_m
     for a in "ab":
         for name, g in grads(engine, a).items():
             assert rel_err(g, grads_whole[a][name]) <= 1e-5, name
+
+
+def test_a_step_on_non_finite_gradients_is_refused_and_leaves_the_adapter_as_it_was(engine):
+    """Finite inputs can still overflow: importance_sampling with a sampler logprob of -1e30 makes
+    the ratio inf. That adapter's step fails (user error) without touching its state; the others
+    in the same call step."""
+    overflowing = datums("importance_sampling", 20)
+    overflowing[0].loss_fn_inputs["logprobs"][0] = -1e30
+    engine.forward_backward([ForwardBackwardInput("a", overflowing, "importance_sampling"),
+                             ForwardBackwardInput("b", datums("cross_entropy", 21), "cross_entropy")])
+    a = engine.adapter("a")
+    assert not all(torch.isfinite(p.grad).all() for p in a.parameters())
+    before = {n: p.detach().clone() for n, p in a.named_parameters()}
+
+    result_a, result_b = engine.optim_step([("a", AdamParams(1e-2)), ("b", AdamParams(1e-2))])
+    assert result_a.category == "user" and result_a.field == "gradients" and "NaN or inf" in str(result_a)
+    assert result_b["step"] == 1.0 and result_b["grad_norm"] > 0
+    assert a.step == 0 and not a.has_gradients() and not a.adam_state
+    for n, p in a.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+    engine.forward_backward([ForwardBackwardInput("a", datums("cross_entropy", 22), "cross_entropy")])
+    assert engine.optim_step([("a", AdamParams(1e-2))])[0]["step"] == 1.0  # and it trains on

@@ -14,6 +14,7 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from torch.optim.adamw import adamw
 
 from workers.trainer.adapters import Adapter, AdamParams
+from workers.trainer.errors import InvalidInputError
 
 
 class _FusedCall:
@@ -42,9 +43,13 @@ class _FusedCall:
             self.steps.append(state["step"])
 
 
-def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]]:
+def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float] | InvalidInputError]:
     """One AdamW step (decoupled weight decay, optional global-norm clipping) on each adapter of
-    `batch` (each at most once), then clear its gradients. Metrics in batch order."""
+    `batch` (each at most once), then clear its gradients. Metrics in batch order.
+
+    An adapter whose gradients hold NaN or inf (a diverging run) is not stepped: one such step
+    would make its weights and moments NaN for good. Its gradients are cleared and its result is
+    an error; the other adapters step as usual."""
     assert len({id(a) for a, _ in batch}) == len(batch), "an adapter appears twice in one step"
     calls: dict[tuple[float, ...], _FusedCall] = {}
     grad_norms = []
@@ -54,9 +59,11 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
             if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
                 p.grad = torch.zeros_like(p)
         grad_norm = get_total_norm([p.grad for p in params], foreach=True)
+        grad_norms.append(grad_norm)
+        if not torch.isfinite(grad_norm):
+            continue
         if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
             clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm, foreach=True)
-        grad_norms.append(grad_norm)
         key = (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay)
         calls.setdefault(key, _FusedCall()).add(adapter)
     with torch.no_grad():
@@ -64,9 +71,14 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
             adamw(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, [], call.steps, fused=True,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                   maximize=False)
-    metrics = []
+    results: list[dict[str, float] | InvalidInputError] = []
     for (adapter, adam), grad_norm in zip(batch, grad_norms):
         adapter.zero_grad()
+        if not torch.isfinite(grad_norm):
+            results.append(InvalidInputError(
+                "gradients", f"grad_norm is {float(grad_norm)}: the accumulated gradients hold NaN or inf, so "
+                "the step was not applied and they were cleared (weights, moments and step count unchanged)"))
+            continue
         adapter.step += 1
-        metrics.append({"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(adapter.step)})
-    return metrics
+        results.append({"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(adapter.step)})
+    return results
