@@ -66,7 +66,7 @@ def test_grid_layouts():
     rows = torch.arange(12.0).view(12, 1)
     assert view.to_cells(rows).flatten().tolist() == list(range(2, 10))
     back = torch.zeros(12, 1)
-    view.add_from_cells_(back, view.to_cells(rows))
+    view.add_bmm_(back, view.to_cells(rows), torch.ones(2, 1, 1))
     assert back.flatten().tolist() == [0, 0, *range(2, 10), 0, 0]
 
     gather = segment_grid(((0, 3), (5, 6)), 7)
@@ -74,7 +74,7 @@ def test_grid_layouts():
     cells = gather.to_cells(rows[:7] + 1)
     assert cells.flatten().tolist() == [1, 2, 3, 6, 0, 0]
     back = torch.full((7, 1), -1.0)
-    gather.add_from_cells_(back, cells.fill_(float("nan")))
+    gather.add_bmm_(back, cells.fill_(float("nan")), torch.ones(2, 1, 1))
     assert back[[3, 4, 6]].flatten().tolist() == [-1, -1, -1]  # rows outside every segment are not touched
 
 

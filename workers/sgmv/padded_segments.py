@@ -45,12 +45,13 @@ class SegmentGrid:
             return self.padded.gather(rows)
         return rows[self.first: self.first + self.groups * self.width].view(self.groups, self.width, -1)
 
-    def add_from_cells_(self, rows: torch.Tensor, cells: torch.Tensor) -> None:
-        """rows [n_rows, f] += cells [groups, width, f] in place, for the rows in a segment only."""
-        if not self.is_view:
-            self.padded.add_scattered_(rows, cells)
+    def add_bmm_(self, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """rows [n_rows, f] += bmm(a, b) [groups, width, f] in place, for the rows in a segment only
+        (accumulated in the bmm itself when the grid is a view of the rows)."""
+        if self.is_view:
+            self.to_cells(rows).baddbmm_(a, b)
         else:
-            rows[self.first: self.first + self.groups * self.width].add_(cells.reshape(-1, cells.shape[-1]))
+            self.padded.add_scattered_(rows, torch.bmm(a, b))
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,10 +91,7 @@ def forward_(x2, outs, grid: SegmentGrid, scales, lora_as, lora_bs):
     vs = [torch.bmm(x_cells, a.transpose(1, 2)) for a in stacked_as]
     scaled_v = (vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)).mul_(scale)  # [G, W, layers * R]
     for out, b, v in zip(outs, stacked_bs, scaled_v.chunk(len(outs), dim=-1)):
-        if grid.is_view:
-            grid.to_cells(out).baddbmm_(v, b.transpose(1, 2))
-        else:
-            grid.add_from_cells_(out, torch.bmm(v, b.transpose(1, 2)))
+        grid.add_bmm_(out, v, b.transpose(1, 2))
     return [x_cells, a_cat, scale, scaled_v, *stacked_bs]
 
 
@@ -112,8 +110,5 @@ def backward_(gs, dx, grid: SegmentGrid, saved, ranks: list[int]):
         grad_b = torch.bmm(g.transpose(1, 2), v)  # [G, out, R]
         grad_bs.append([grad_b[s, :, :r] for s, r in enumerate(ranks)])
     if dx is not None:
-        if grid.is_view:
-            grid.to_cells(dx).baddbmm_(dv, a_cat)
-        else:
-            grid.add_from_cells_(dx, torch.bmm(dv, a_cat))
+        grid.add_bmm_(dx, dv, a_cat)
     return grad_as, grad_bs

@@ -59,8 +59,9 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
             if p.grad is None:  # no forward_backward since the last step: a zero gradient, as if it had one
                 p.grad = torch.zeros_like(p)
         grad_norm = get_total_norm([p.grad for p in params], foreach=True)
-        grad_norms.append(grad_norm)
-        if not torch.isfinite(grad_norm):
+        finite = bool(torch.isfinite(grad_norm))
+        grad_norms.append((grad_norm, finite))
+        if not finite:
             continue
         if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
             clip_grads_with_norm_(params, adam.grad_clip_norm, grad_norm, foreach=True)
@@ -72,9 +73,9 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                   maximize=False)
     results: list[dict[str, float] | InvalidInputError] = []
-    for (adapter, adam), grad_norm in zip(batch, grad_norms):
+    for (adapter, adam), (grad_norm, finite) in zip(batch, grad_norms):
         adapter.zero_grad()
-        if not torch.isfinite(grad_norm):
+        if not finite:
             results.append(InvalidInputError(
                 "gradients", f"grad_norm is {float(grad_norm)}: the accumulated gradients hold NaN or inf, so "
                 "the step was not applied and they were cleared (weights, moments and step count unchanged)"))
