@@ -6,7 +6,9 @@ last slot, so a base-model request batched with LoRA requests silently gets a te
 This wrapper groups the batch's rows by adapter slot once per step (`workers.sgmv.segment_ops`,
 shared with the trainer) and computes every adapter's shrink in one batched matmul and every
 expand in another, over a layer's merged slices at once (q/k/v, gate/up); rows without an adapter
-get exactly the base model's output.
+get exactly the base model's output. On AMX CPUs in bf16, decode steps (up to
+`dense_lora.DENSE_MAX_ROWS` rows) take two prepacked dense GEMMs per layer instead
+(`workers.sampler.dense_lora`).
 
 Weight layouts (vLLM): lora_a_stacked[i] [max_loras, 1, rank, in], lora_b_stacked[i]
 [max_loras, 1, out, rank], both zero-padded to max_lora_rank.
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
+from workers.sampler import dense_lora
 from workers.sgmv.segment_ops import (
     PaddedGroups, SlotRows, expand_, group_rows_by_slot, padded_groups, padded_lora_, shrink, take,
 )
@@ -58,6 +61,12 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._slot_ids: tuple = ()
         # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
         self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
+        # decode steps on AMX: per layer the active adapters prepacked (dense_lora), and per step
+        # each row's adapter group and the shrink columns each row must not see
+        self._dense_available: bool | None = None
+        self._dense: dict[int, tuple[tuple, dense_lora.DenseLoRA | None]] = {}
+        self._row_groups: torch.Tensor | None = None
+        self._masked_out: dict[tuple, torch.Tensor] = {}
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs) -> None:
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
@@ -66,6 +75,9 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._token_padded = padded_groups(self.token_lora_indices)
         self._sampler_padded = padded_groups(self.sampler_indices)
         self._slot_ids = tuple(lora_index_to_id)  # which adapter sits in each slot
+        self._row_groups = None if self._token_padded is None else dense_lora.row_groups(
+            self.token_lora_indices, self._token_padded.slots)
+        self._masked_out = {}
 
     def _grouped_weights(self, lora_a_stacked, lora_b_stacked, slots: tuple[int, ...]):
         """The adapters in `slots`: every slice's A as one [groups, in, sum(ranks)] tensor, each
@@ -114,10 +126,35 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         y2 = y.view(-1, y.shape[-1])
         if sum(output_slices) != y2.shape[1]:
             raise RuntimeError(f"LoRA slices {output_slices} do not cover the layer's {y2.shape[1]} outputs")
+        x2 = x.view(-1, x.shape[-1])
+        if y2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(y2, x2, lora_a_stacked, lora_b_stacked, scale):
+            return
         a_t, b_ts, block = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
         if block is not None and y2.shape[0] <= BLOCK_DIAGONAL_MAX_ROWS:
             b_ts = [block]  # one expand for all slices: fewer ops where per-op cost dominates
-        padded_lora_(y2, x.view(-1, x.shape[-1]), self._token_padded, a_t, b_ts, scale)
+        padded_lora_(y2, x2, self._token_padded, a_t, b_ts, scale)
+
+    def _dense_lora_(self, y2, x2, lora_a_stacked, lora_b_stacked, scale: float) -> bool:
+        """y2 += the rows' LoRA as two dense GEMMs (dense_lora); False where that path does not apply."""
+        if self._dense_available is None:
+            self._dense_available = dense_lora.available(y2.dtype)
+        if not self._dense_available or x2.dtype != y2.dtype or self._row_groups.numel() != y2.shape[0]:
+            return False
+        slots = self._token_padded.slots
+        key = (self._slot_ids, slots)
+        layer = lora_a_stacked[0].data_ptr()
+        cached = self._dense.get(layer)
+        if cached is None or cached[0] != key:
+            cached = self._dense[layer] = (key, dense_lora.DenseLoRA.build(lora_a_stacked, lora_b_stacked, slots))
+        weights = cached[1]
+        if weights is None:
+            return False
+        mask_key = (len(lora_b_stacked), weights.k)
+        masked_out = self._masked_out.get(mask_key)
+        if masked_out is None:
+            masked_out = self._masked_out[mask_key] = weights.masked_out(self._row_groups)
+        weights.add_(y2, x2, masked_out, scale)
+        return True
 
     # --- embeddings and logits ---------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""Decode-step LoRA on AMX CPUs: a layer's active adapters as two prepacked dense GEMMs.
+
+At decode sizes (a few dozen rows) the segmented path's gathers, per-adapter bmm and scatter
+cost far more in op overhead than in FLOPs. Here the active adapters of a layer are stacked into
+one shrink, [in -> slices x adapters x rank], and one block-diagonal expand, both prepacked for
+vLLM's AMX GEMM kernel (`weight_packed_linear`, the one vLLM itself uses for small GEMMs). Each
+row's shrink output is zeroed outside its own adapter's columns before the expand, so a row gets
+exactly its adapter's product and a row without an adapter gets exactly zero. Zeroed, not
+multiplied by a 0/1 mask: a tenant's huge but finite weights could make a base row's shrink inf,
+and inf * 0 is NaN.
+
+The FLOPs grow with the number of adapters in the step (every row meets every adapter's
+columns), so the sampler uses this only for steps of up to DENSE_MAX_ROWS rows; prefill keeps
+the segmented path. Weight layouts are vLLM's (see vllm_lora_ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# SmolLM2-135M shapes, bf16, 8 adapters, 30 layers of distinct weights after a base GEMM each
+# (cold caches, as in the engine), us per LoRA layer call, dense / segmented bmm path:
+# 32 rows 149-177 / 227-287, 64 rows 230-254 / 267-337, 128 rows 336-362 / 361-433 (a tie).
+DENSE_MAX_ROWS = 64
+_K_ALIGN, _N_ALIGN = 32, 16  # what the AMX kernel's VNNI packing needs of K and N
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether this CPU and vLLM build have the AMX kernel for `dtype`."""
+    if dtype == torch.bfloat16:
+        ok = torch.cpu._is_amx_tile_supported()
+    elif dtype == torch.float16:
+        ok = torch.cpu._is_amx_fp16_supported()
+    else:
+        return False
+    if not ok:
+        return False
+    try:
+        from vllm import _custom_ops  # noqa: F401  (registers torch.ops._C)
+
+        return hasattr(torch.ops._C, "weight_packed_linear") and hasattr(torch.ops._C, "convert_weight_packed")
+    except ImportError:
+        return False
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class DenseLoRA:
+    """One layer's active adapters, prepacked. Columns of the shrink output are slice-major:
+    slice s, adapter group g, rank r -> column (s * groups + g) * rank + r; past those, zero padding
+    up to a multiple of 32."""
+
+    shrink: torch.Tensor  # packed [k, in]
+    expand: torch.Tensor  # packed block-diagonal [out, k]
+    k: int
+    out: int
+    column_group: torch.Tensor  # [k] the adapter group of each column; -2 for padding
+
+    @classmethod
+    def build(cls, lora_a_stacked, lora_b_stacked, slots: tuple[int, ...]) -> "DenseLoRA | None":
+        """From vLLM's stacked weights (per slice: A [max_loras, 1, rank, in], B [max_loras, 1, out,
+        rank]) for the adapters in `slots`; None where the shapes do not suit the kernel."""
+        index = torch.tensor(slots, device=lora_a_stacked[0].device)
+        rank, in_features = lora_a_stacked[0].shape[2:]
+        outs = [b.shape[2] for b in lora_b_stacked]
+        used = len(outs) * len(slots) * rank
+        k, out = _round_up(used, _K_ALIGN), sum(outs)
+        if in_features % _K_ALIGN or out % _N_ALIGN:
+            return None
+        a = lora_a_stacked[0].new_zeros(k, in_features)
+        a[:used] = torch.cat([s[index, 0].reshape(-1, in_features) for s in lora_a_stacked])
+        b = lora_b_stacked[0].new_zeros(out, k)
+        col = o0 = 0
+        for stacked, width in zip(lora_b_stacked, outs):  # slice s: its adapters' columns, its outputs
+            block = stacked[index, 0]  # [groups, out_s, rank]
+            b[o0: o0 + width, col: col + block.shape[0] * rank] = block.permute(1, 0, 2).reshape(width, -1)
+            col, o0 = col + block.shape[0] * rank, o0 + width
+        column_group = torch.full((k,), -2, dtype=torch.int64)
+        column_group[:used] = (torch.arange(used) // rank) % len(slots)
+        pack = torch.ops._C.convert_weight_packed
+        return cls(pack(a), pack(b), k, out, column_group)
+
+    def masked_out(self, row_group: torch.Tensor) -> torch.Tensor:
+        """[rows, k] True where a row's shrink output must be zeroed: columns of other adapters and
+        padding (row_group: each row's adapter group, -1 for none)."""
+        return self.column_group[None, :] != row_group[:, None]
+
+    def add_(self, y: torch.Tensor, x: torch.Tensor, masked_out: torch.Tensor, scale: float = 1.0) -> None:
+        """y [rows, out] += scale * (x A^T, own adapter's columns only) B^T, in place."""
+        v = torch.empty(x.shape[0], self.k, dtype=x.dtype, device=x.device)
+        torch.ops._C.weight_packed_linear(v, x.contiguous(), self.shrink, None, True)
+        v.masked_fill_(masked_out, 0)
+        if scale != 1.0:
+            v.mul_(scale)
+        e = torch.empty(x.shape[0], self.out, dtype=x.dtype, device=x.device)
+        torch.ops._C.weight_packed_linear(e, v, self.expand, None, True)
+        y.add_(e)
+
+
+def row_groups(token_slots: torch.Tensor, slots: tuple[int, ...]) -> torch.Tensor:
+    """Each row's index into `slots` (its adapter group), -1 for rows without an adapter."""
+    token_slots = token_slots.to("cpu", torch.int64)
+    lookup = torch.full((max(max(slots), int(token_slots.max())) + 2,), -1, dtype=torch.int64)
+    lookup[list(slots)] = torch.arange(len(slots))
+    return lookup[token_slots.clamp(min=-1)]  # slot -1 reads the lookup's last entry: -1
