@@ -96,3 +96,26 @@ def test_dense_weights_refuse_shapes_the_kernel_cannot_take():
     a = [torch.zeros(MAX_LORAS, 1, RANK, 40, dtype=torch.bfloat16)]  # in_features 40: not a multiple of 32
     b = [torch.zeros(MAX_LORAS, 1, 64, RANK, dtype=torch.bfloat16)]
     assert dense_lora.DenseLoRA.build(a, b, (0, 1)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [8, 100])
+def test_lora_logits_equal_each_rows_own_adapter(dtype, rows):
+    """The sampled rows' logits, with an adapter that pads the vocabulary further than the model."""
+    gen = torch.Generator().manual_seed(rows)
+    token_ids = token_ids_for(rows, gen)
+    vocab, adapter_vocab = 96, 128
+    a = torch.randn(MAX_LORAS, 1, RANK, IN, generator=gen).mul_(0.1).to(dtype)
+    b = torch.randn(MAX_LORAS, 1, adapter_vocab, RANK, generator=gen).mul_(0.1).to(dtype)
+    x = torch.randn(rows, IN, generator=gen).to(dtype)
+    y = torch.randn(rows, vocab, generator=gen).to(dtype)
+    expected = y.float().clone()
+    for row, adapter in enumerate(token_ids):
+        if adapter:
+            slot = SLOT_IDS.index(adapter)
+            expected[row] += 0.5 * ((x[row].float() @ a[slot, 0].float().T) @ b[slot, 0].float().T)[:vocab]
+
+    wrapper_for(token_ids).add_lora_logits(y, x, a, b, 0.5)
+
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance)

@@ -91,7 +91,8 @@ class DenseLoRA:
         return self.column_group[None, :] != row_group[:, None]
 
     def add_(self, y: torch.Tensor, x: torch.Tensor, masked_out: torch.Tensor, scale: float = 1.0) -> None:
-        """y [rows, out] += scale * (x A^T, own adapter's columns only) B^T, in place."""
+        """y [rows, <= out] += scale * (x A^T, own adapter's columns only) B^T, in place (the first
+        y.shape[1] outputs: a model may pad its vocabulary less than the adapter does)."""
         v = torch.empty(x.shape[0], self.k, dtype=x.dtype, device=x.device)
         torch.ops._C.weight_packed_linear(v, x.contiguous(), self.shrink, None, True)
         v.masked_fill_(masked_out, 0)
@@ -99,7 +100,7 @@ class DenseLoRA:
             v.mul_(scale)
         e = torch.empty(x.shape[0], self.out, dtype=x.dtype, device=x.device)
         torch.ops._C.weight_packed_linear(e, v, self.expand, None, True)
-        y.add_(e)
+        y.add_(e[:, : y.shape[1]])
 
 
 def row_groups(token_slots: torch.Tensor, slots: tuple[int, ...]) -> torch.Tensor:

@@ -63,7 +63,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
         # decode steps on AMX: per layer the active adapters prepacked (dense_lora), and per step
         # each row's adapter group and the shrink columns each row must not see
-        self._dense_available: bool | None = None
+        self._dense_available: dict[torch.dtype, bool] = {}
         self._dense: dict[int, tuple[tuple, dense_lora.DenseLoRA | None]] = {}
         self._row_groups: torch.Tensor | None = None
         self._masked_out: dict[tuple, torch.Tensor] = {}
@@ -127,20 +127,25 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         if sum(output_slices) != y2.shape[1]:
             raise RuntimeError(f"LoRA slices {output_slices} do not cover the layer's {y2.shape[1]} outputs")
         x2 = x.view(-1, x.shape[-1])
-        if y2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(y2, x2, lora_a_stacked, lora_b_stacked, scale):
+        if y2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(
+                y2, x2, lora_a_stacked, lora_b_stacked, scale, self._token_padded.slots, self._row_groups,
+                self._masked_out):
             return
         a_t, b_ts, block = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
         if block is not None and y2.shape[0] <= BLOCK_DIAGONAL_MAX_ROWS:
             b_ts = [block]  # one expand for all slices: fewer ops where per-op cost dominates
         padded_lora_(y2, x2, self._token_padded, a_t, b_ts, scale)
 
-    def _dense_lora_(self, y2, x2, lora_a_stacked, lora_b_stacked, scale: float) -> bool:
-        """y2 += the rows' LoRA as two dense GEMMs (dense_lora); False where that path does not apply."""
-        if self._dense_available is None:
-            self._dense_available = dense_lora.available(y2.dtype)
-        if not self._dense_available or x2.dtype != y2.dtype or self._row_groups.numel() != y2.shape[0]:
+    def _dense_lora_(self, y2, x2, lora_a_stacked, lora_b_stacked, scale: float, slots: tuple[int, ...],
+                     row_groups: torch.Tensor, masked_out_cache: dict | None) -> bool:
+        """y2 += the rows' LoRA as two dense GEMMs (dense_lora); False where that path does not apply.
+        row_groups: each row's index into `slots`; masked_out_cache: where this step keeps the masks
+        (None: a one-off call)."""
+        dtype = lora_a_stacked[0].dtype
+        if dtype not in self._dense_available:
+            self._dense_available[dtype] = dense_lora.available(dtype)
+        if not self._dense_available[dtype] or not x2.dtype == y2.dtype == dtype or row_groups.numel() != y2.shape[0]:
             return False
-        slots = self._token_padded.slots
         key = (self._slot_ids, slots)
         layer = lora_a_stacked[0].data_ptr()
         cached = self._dense.get(layer)
@@ -150,9 +155,11 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         if weights is None:
             return False
         mask_key = (len(lora_b_stacked), weights.k)
-        masked_out = self._masked_out.get(mask_key)
+        masked_out = None if masked_out_cache is None else masked_out_cache.get(mask_key)
         if masked_out is None:
-            masked_out = self._masked_out[mask_key] = weights.masked_out(self._row_groups)
+            masked_out = weights.masked_out(row_groups)
+            if masked_out_cache is not None:
+                masked_out_cache[mask_key] = masked_out
         weights.add_(y2, x2, masked_out, scale)
         return True
 
@@ -167,16 +174,22 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
             expand_(y2, take(x, g.rows).to(b.dtype), b, g.rows)
 
     def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs: Any) -> None:
-        groups = self._logits_groups(x.view(-1, x.shape[-1]))
+        x2 = x.view(-1, x.shape[-1])
+        groups, slots = self._logits_groups(x2)
         if groups is None:
             return
-        a_t, (b_t,), _ = self._grouped_weights((lora_a_stacked,), (lora_b_stacked,), groups.slots)
         y2 = y.view(-1, y.shape[-1])
-        width = min(b_t.shape[2], y2.shape[1])  # the adapter and the model may pad the vocabulary differently
-        padded_lora_(y2[:, :width], x.view(-1, x.shape[-1]).to(a_t.dtype), groups, a_t, [b_t[:, :, :width]], scale)
+        width = min(lora_b_stacked.shape[2], y2.shape[1])  # the adapter and the model may pad the vocabulary differently
+        if x2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(
+                y2[:, :width], x2, (lora_a_stacked,), (lora_b_stacked,), scale, groups.slots,
+                dense_lora.row_groups(slots, groups.slots), None):
+            return
+        a_t, (b_t,), _ = self._grouped_weights((lora_a_stacked,), (lora_b_stacked,), groups.slots)
+        padded_lora_(y2[:, :width], x2.to(a_t.dtype), groups, a_t, [b_t[:, :, :width]], scale)
 
-    def _logits_groups(self, x: torch.Tensor) -> PaddedGroups | None:
-        """Which adapter each row of the logits input belongs to.
+    def _logits_groups(self, x: torch.Tensor) -> tuple[PaddedGroups | None, torch.Tensor]:
+        """Which adapter each row of the logits input belongs to: its groups (None when no row has
+        an adapter) and each row's slot.
 
         Sampling passes the gathered hidden states of the sampled positions: a tensor of its own,
         one row per sequence (`sampler_indices`). Prompt logprobs pass one request's rows as a
@@ -187,9 +200,9 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         """
         owns_storage = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
         if owns_storage and x.size(0) == self.sampler_indices.numel():
-            return self._sampler_padded
+            return self._sampler_padded, self.sampler_indices
         start = x.storage_offset() // x.stride(0)
         slots = self.token_lora_indices[start: start + x.size(0)]
         if slots.numel() != x.size(0):
             raise RuntimeError(f"LoRA logits: {x.size(0)} rows at row {start} lie outside the step's tokens")
-        return padded_groups(slots)
+        return padded_groups(slots), slots
