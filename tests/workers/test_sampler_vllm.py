@@ -11,6 +11,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from workers.sampler import dense_lora
 from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
 from workers.trainer.adapters import AdamParams, LoraConfig
@@ -161,6 +163,43 @@ def test_segmented_lora_ops_give_the_tokens_of_vllms_own_ops(tiny_model_path, sn
         stock = pool.submit(stock_ops_tokens, tiny_model_path, jobs).result(timeout=600)
     for j in jobs:
         assert ours[j.request_id].sequences[0].tokens == stock[j.request_id]
+
+
+def dense_and_segmented_tokens(model_path, jobs: list[SampleJob]) -> tuple[dict, dict, int]:
+    """Greedy tokens of a bf16 engine with the dense decode path and with the segmented path only,
+    and how many dense LoRA calls ran (a child process: one vLLM engine per process)."""
+    from workers.sampler import dense_lora
+
+    calls = 0
+    add = dense_lora.DenseLoRA.add_
+
+    def counted_add(self, *args):
+        nonlocal calls
+        calls += 1
+        add(self, *args)
+
+    dense_lora.DenseLoRA.add_ = counted_add
+    config = SamplerConfig(model_path, max_model_len=512, max_lora_rank=16, max_loras=2, dtype="bfloat16",
+                           kv_cache_gib=0.25)
+    engine = SamplerEngine(config).start()
+    engine.wait_ready(timeout=300)
+    try:
+        dense = {k: r.sequences[0].tokens for k, r in run(engine, jobs).items()}
+        dense_lora.DENSE_MAX_ROWS = 0
+        segmented = {k: r.sequences[0].tokens for k, r in run(engine, [replace(j, request_id=j.request_id + "'")
+                                                                         for j in jobs]).items()}
+        return dense, {k.rstrip("'"): v for k, v in segmented.items()}, calls
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX bf16 kernel on this CPU")
+def test_dense_decode_path_gives_the_tokens_of_the_segmented_path_in_bf16(tiny_model_path, snapshots):
+    jobs = [job(f"{name}-{i}", path) for i in range(2) for name, path in (snapshots | {"base": None}).items()]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        dense, segmented, dense_calls = pool.submit(dense_and_segmented_tokens, tiny_model_path, jobs).result(timeout=600)
+    assert dense_calls > 0
+    assert dense == segmented
 
 
 def test_sampling_options(engine, snapshots):
