@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 
 from api.routes import futures, runs, sampling, service, sessions, training
 
@@ -30,16 +31,27 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
         """This process's Prometheus metrics (scheduler/metrics.py): cycles, batching, sampler steps."""
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.middleware("http")
-    async def limit_body_size(request: Request, call_next):
-        # Refuse oversized bodies from their declared length, before reading them.
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > settings.max_request_bytes:
-            return JSONResponse(status_code=413, content={
-                "detail": f"body: {length} bytes exceed the limit of {settings.max_request_bytes}"})
-        return await call_next(request)
-
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     return app
+
+
+class BodySizeLimit:
+    """Refuses a body larger than `max_bytes` from its declared length, before reading it (HTTP 413).
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware (`@app.middleware`) costs a task
+    group and a stream per request."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = Headers(scope=scope).get("content-length")
+            if length and length.isdigit() and int(length) > self.max_bytes:
+                response = JSONResponse(status_code=413, content={
+                    "detail": f"body: {length} bytes exceed the limit of {self.max_bytes}"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def served_names(name: str) -> set[str]:
