@@ -119,3 +119,22 @@ def test_lora_logits_equal_each_rows_own_adapter(dtype, rows):
 
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX bf16 kernel on this CPU")
+def test_dense_weights_are_reused_while_adapters_finish_and_rebuilt_for_a_lone_one():
+    gen = torch.Generator().manual_seed(5)
+    a, b = stacked_weights(torch.bfloat16, gen)
+    wrapper = SegmentedPunicaWrapper(512, 64, "cpu")
+    built = []
+    for token_ids in ([11, 12, 14, 0] * 4, [12, 0, 11] * 4, [14, 0] * 4):  # three decode steps
+        wrapper.update_metadata(LoRAMapping(tuple(token_ids), tuple(token_ids)), SLOT_IDS, MAX_LORAS, 1000)
+        x = torch.randn(len(token_ids), IN, generator=gen).bfloat16()
+        y = torch.randn(len(token_ids), sum(SLICES), generator=gen).bfloat16()
+        expected = reference(y, x, a, b, token_ids, scale=1.0)
+        wrapper.add_lora_linear(y, x, tuple(a), tuple(b), 1.0, SLICES)
+        torch.testing.assert_close(y.float(), expected, rtol=3e-2, atol=3e-2)
+        (_, slots, weights), = wrapper._dense.values()
+        built.append((slots, weights))
+    assert built[1][1] is built[0][1]  # 2 of its 3 adapters left: the same packed weights
+    assert built[2][0] == (SLOT_IDS.index(14),)  # 1 of 3: repacked for that one

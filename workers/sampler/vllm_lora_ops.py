@@ -61,11 +61,10 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._slot_ids: tuple = ()
         # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
         self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
-        # decode steps on AMX: per layer the active adapters prepacked (dense_lora), and per step
-        # each row's adapter group and the shrink columns each row must not see
+        # decode steps on AMX: per layer the adapters prepacked (dense_lora), and per step the
+        # shrink columns each row must not see
         self._dense_available: dict[torch.dtype, bool] = {}
-        self._dense: dict[int, tuple[tuple, dense_lora.DenseLoRA | None]] = {}
-        self._row_groups: torch.Tensor | None = None
+        self._dense: dict[int, tuple[tuple, tuple[int, ...], dense_lora.DenseLoRA | None]] = {}
         self._masked_out: dict[tuple, torch.Tensor] = {}
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs) -> None:
@@ -75,8 +74,6 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._token_padded = padded_groups(self.token_lora_indices)
         self._sampler_padded = padded_groups(self.sampler_indices)
         self._slot_ids = tuple(lora_index_to_id)  # which adapter sits in each slot
-        self._row_groups = None if self._token_padded is None else dense_lora.row_groups(
-            self.token_lora_indices, self._token_padded.slots)
         self._masked_out = {}
 
     def _grouped_weights(self, lora_a_stacked, lora_b_stacked, slots: tuple[int, ...]):
@@ -128,7 +125,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
             raise RuntimeError(f"LoRA slices {output_slices} do not cover the layer's {y2.shape[1]} outputs")
         x2 = x.view(-1, x.shape[-1])
         if y2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(
-                y2, x2, lora_a_stacked, lora_b_stacked, scale, self._token_padded.slots, self._row_groups,
+                y2, x2, lora_a_stacked, lora_b_stacked, scale, self.token_lora_indices, self._token_padded.slots,
                 self._masked_out):
             return
         a_t, b_ts, block = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
@@ -136,28 +133,28 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
             b_ts = [block]  # one expand for all slices: fewer ops where per-op cost dominates
         padded_lora_(y2, x2, self._token_padded, a_t, b_ts, scale)
 
-    def _dense_lora_(self, y2, x2, lora_a_stacked, lora_b_stacked, scale: float, slots: tuple[int, ...],
-                     row_groups: torch.Tensor, masked_out_cache: dict | None) -> bool:
+    def _dense_lora_(self, y2, x2, lora_a_stacked, lora_b_stacked, scale: float, row_slots: torch.Tensor,
+                     active: tuple[int, ...], masked_out_cache: dict | None) -> bool:
         """y2 += the rows' LoRA as two dense GEMMs (dense_lora); False where that path does not apply.
-        row_groups: each row's index into `slots`; masked_out_cache: where this step keeps the masks
-        (None: a one-off call)."""
+        row_slots: each row's adapter slot; active: the slots they use; masked_out_cache: where this
+        step keeps its masks (None: a one-off call)."""
         dtype = lora_a_stacked[0].dtype
         if dtype not in self._dense_available:
             self._dense_available[dtype] = dense_lora.available(dtype)
-        if not self._dense_available[dtype] or not x2.dtype == y2.dtype == dtype or row_groups.numel() != y2.shape[0]:
+        if not self._dense_available[dtype] or not x2.dtype == y2.dtype == dtype or row_slots.numel() != y2.shape[0]:
             return False
-        key = (self._slot_ids, slots)
         layer = lora_a_stacked[0].data_ptr()
         cached = self._dense.get(layer)
-        if cached is None or cached[0] != key:
-            cached = self._dense[layer] = (key, dense_lora.DenseLoRA.build(lora_a_stacked, lora_b_stacked, slots))
-        weights = cached[1]
+        if cached is None or cached[0] != self._slot_ids or not dense_lora.reusable(cached[1], active):
+            built = dense_lora.DenseLoRA.build(lora_a_stacked, lora_b_stacked, active)
+            cached = self._dense[layer] = (self._slot_ids, active, built)
+        _, slots, weights = cached
         if weights is None:
             return False
-        mask_key = (len(lora_b_stacked), weights.k)
+        mask_key = (slots, len(lora_b_stacked), weights.k)
         masked_out = None if masked_out_cache is None else masked_out_cache.get(mask_key)
         if masked_out is None:
-            masked_out = weights.masked_out(row_groups)
+            masked_out = weights.masked_out(dense_lora.row_groups(row_slots, slots))
             if masked_out_cache is not None:
                 masked_out_cache[mask_key] = masked_out
         weights.add_(y2, x2, masked_out, scale)
@@ -181,8 +178,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         y2 = y.view(-1, y.shape[-1])
         width = min(lora_b_stacked.shape[2], y2.shape[1])  # the adapter and the model may pad the vocabulary differently
         if x2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(
-                y2[:, :width], x2, (lora_a_stacked,), (lora_b_stacked,), scale, groups.slots,
-                dense_lora.row_groups(slots, groups.slots), None):
+                y2[:, :width], x2, (lora_a_stacked,), (lora_b_stacked,), scale, slots, groups.slots, None):
             return
         a_t, (b_t,), _ = self._grouped_weights((lora_a_stacked,), (lora_b_stacked,), groups.slots)
         padded_lora_(y2[:, :width], x2.to(a_t.dtype), groups, a_t, [b_t[:, :, :width]], scale)
