@@ -113,6 +113,8 @@ class ServerProcess:
 
 
 class LocalServer(ServerThread):
+    """The embedded server on a thread of this process, once its sampler is ready."""
+
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         if self.embedded.sampling is not None:  # vLLM starts in the background: not while we measure
@@ -127,7 +129,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def measure(server, rounds: int, clients: int) -> dict[str, float]:
+def measure(server, rounds: int, clients: int) -> dict:
     """Both parts against `server` (a ServerProcess or a LocalServer), which it stops."""
     rows = token_rows(0)
     try:

@@ -51,9 +51,9 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class DenseLoRA:
-    """One layer's active adapters, prepacked. Columns of the shrink output are slice-major:
-    slice s, adapter group g, rank r -> column (s * groups + g) * rank + r; past those, zero padding
-    up to a multiple of 32."""
+    """One layer's adapters (those of the slots it was built for), prepacked. The shrink's columns
+    are slice-major: slice s, adapter group g, rank r -> column (s * groups + g) * rank + r; past
+    those, zero padding up to a multiple of 32."""
 
     shrink: torch.Tensor  # packed [k, in]
     expand: torch.Tensor  # packed block-diagonal [out, k]
