@@ -5,9 +5,10 @@ cost far more in op overhead than in FLOPs. Here the active adapters of a layer 
 one shrink, [in -> slices x adapters x rank], and one block-diagonal expand, both prepacked for
 vLLM's AMX GEMM kernel (`weight_packed_linear`, the one vLLM itself uses for small GEMMs). Each
 row's shrink output is zeroed outside its own adapter's columns before the expand, so a row gets
-exactly its adapter's product and a row without an adapter gets exactly zero. Zeroed, not
-multiplied by a 0/1 mask: a tenant's huge but finite weights could make a base row's shrink inf,
-and inf * 0 is NaN.
+exactly its adapter's product and a row without an adapter gets exactly zero. Zeroed by a
+bitwise AND of the 16-bit values with 0 or 0xFFFF, not multiplied by a 0/1 mask: a tenant's huge
+but finite weights could make a base row's shrink inf, and inf * 0 is NaN. (The AND took 1.6 us at
+[32, 384] where `masked_fill_` took 40 us.)
 
 The FLOPs grow with the number of adapters in the step (every row meets every adapter's
 columns), so the sampler uses this only for steps of up to DENSE_MAX_ROWS rows; prefill keeps
@@ -85,17 +86,19 @@ class DenseLoRA:
         pack = torch.ops._C.convert_weight_packed
         return cls(pack(a), pack(b), k, out, column_group)
 
-    def masked_out(self, row_group: torch.Tensor) -> torch.Tensor:
-        """[rows, k] True where a row's shrink output must be zeroed: columns of other adapters and
-        padding (row_group: each row's adapter group, -1 for none)."""
-        return self.column_group[None, :] != row_group[:, None]
+    def keep_bits(self, row_group: torch.Tensor) -> torch.Tensor:
+        """[rows, k] int16: all ones where a row keeps its shrink output (its own adapter's columns),
+        zero where it must not see it (other adapters' columns, padding). row_group: each row's
+        adapter group, -1 for none."""
+        keep = self.column_group[None, :] == row_group[:, None]
+        return keep.to(torch.int16).neg_()  # True -> -1 (0xFFFF)
 
-    def add_(self, y: torch.Tensor, x: torch.Tensor, masked_out: torch.Tensor, scale: float = 1.0) -> None:
+    def add_(self, y: torch.Tensor, x: torch.Tensor, keep_bits: torch.Tensor, scale: float = 1.0) -> None:
         """y [rows, <= out] += scale * (x A^T, own adapter's columns only) B^T, in place (the first
         y.shape[1] outputs: a model may pad its vocabulary less than the adapter does)."""
         v = torch.empty(x.shape[0], self.k, dtype=x.dtype, device=x.device)
         torch.ops._C.weight_packed_linear(v, x.contiguous(), self.shrink, None, True)
-        v.masked_fill_(masked_out, 0)
+        v.view(torch.int16).bitwise_and_(keep_bits)  # bf16 and fp16 alike: 16 bits
         if scale != 1.0:
             v.mul_(scale)
         e = torch.empty(x.shape[0], self.out, dtype=x.dtype, device=x.device)

@@ -65,7 +65,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         # shrink columns each row must not see
         self._dense_available: dict[torch.dtype, bool] = {}
         self._dense: dict[int, tuple[tuple, tuple[int, ...], dense_lora.DenseLoRA | None]] = {}
-        self._masked_out: dict[tuple, torch.Tensor] = {}
+        self._keep_bits: dict[tuple, torch.Tensor] = {}
 
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs) -> None:
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
@@ -74,7 +74,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._token_padded = padded_groups(self.token_lora_indices)
         self._sampler_padded = padded_groups(self.sampler_indices)
         self._slot_ids = tuple(lora_index_to_id)  # which adapter sits in each slot
-        self._masked_out = {}
+        self._keep_bits = {}
 
     def _grouped_weights(self, lora_a_stacked, lora_b_stacked, slots: tuple[int, ...]):
         """The adapters in `slots`: every slice's A as one [groups, in, sum(ranks)] tensor, each
@@ -126,7 +126,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         x2 = x.view(-1, x.shape[-1])
         if y2.shape[0] <= dense_lora.DENSE_MAX_ROWS and self._dense_lora_(
                 y2, x2, lora_a_stacked, lora_b_stacked, scale, self.token_lora_indices, self._token_padded.slots,
-                self._masked_out):
+                self._keep_bits):
             return
         a_t, b_ts, block = self._grouped_weights(lora_a_stacked, lora_b_stacked, self._token_padded.slots)
         if block is not None and y2.shape[0] <= BLOCK_DIAGONAL_MAX_ROWS:
@@ -134,9 +134,9 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         padded_lora_(y2, x2, self._token_padded, a_t, b_ts, scale)
 
     def _dense_lora_(self, y2, x2, lora_a_stacked, lora_b_stacked, scale: float, row_slots: torch.Tensor,
-                     active: tuple[int, ...], masked_out_cache: dict | None) -> bool:
+                     active: tuple[int, ...], keep_bits_cache: dict | None) -> bool:
         """y2 += the rows' LoRA as two dense GEMMs (dense_lora); False where that path does not apply.
-        row_slots: each row's adapter slot; active: the slots they use; masked_out_cache: where this
+        row_slots: each row's adapter slot; active: the slots they use; keep_bits_cache: where this
         step keeps its masks (None: a one-off call)."""
         dtype = lora_a_stacked[0].dtype
         if dtype not in self._dense_available:
@@ -152,12 +152,12 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         if weights is None:
             return False
         mask_key = (slots, len(lora_b_stacked), weights.k)
-        masked_out = None if masked_out_cache is None else masked_out_cache.get(mask_key)
-        if masked_out is None:
-            masked_out = weights.masked_out(dense_lora.row_groups(row_slots, slots))
-            if masked_out_cache is not None:
-                masked_out_cache[mask_key] = masked_out
-        weights.add_(y2, x2, masked_out, scale)
+        keep_bits = None if keep_bits_cache is None else keep_bits_cache.get(mask_key)
+        if keep_bits is None:
+            keep_bits = weights.keep_bits(dense_lora.row_groups(row_slots, slots))
+            if keep_bits_cache is not None:
+                keep_bits_cache[mask_key] = keep_bits
+        weights.add_(y2, x2, keep_bits, scale)
         return True
 
     # --- embeddings and logits ---------------------------------------------------------------
