@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sampler_multilora.py [--model SmolLM2-135M-Instruct] [--dtype bfloat16]
 
 Every run generates `max_tokens` tokens per sequence (EOS ignored) from random-token prompts.
-  mixed       8 adapters x 4 prompts in one engine, Loraplex's segmented LoRA ops
+  mixed       8 adapters x 4 prompts in one engine, Loraplex's LoRA ops (segmented; dense at decode on AMX in bf16)
   beside      the same beside another thread's OpenMP team, as in the embedded server (trainer
               and sampler in one process), with libgomp's defaults
   beside_spin the same with the embedded server's spin settings (service/openmp.py)
@@ -160,12 +160,12 @@ def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_toke
     tps = {k: v["tokens"] / v["seconds"] for k, v in results.items()}
     rows = [
         ("vLLM base, 32 prompts (tok/s)", f"{tps['base']:.0f}"),
-        ("vLLM 8 adapters x 4 prompts mixed, segmented LoRA ops (tok/s)", f"{tps['mixed']:.0f}"),
+        ("vLLM 8 adapters x 4 prompts mixed, Loraplex's LoRA ops (tok/s)", f"{tps['mixed']:.0f}"),
         ("vLLM 8 adapters x 4 prompts mixed, vLLM's own CPU LoRA ops (tok/s)", f"{tps['stock']:.0f}"),
         ("HF generate + peft, adapter after adapter (tok/s)", f"{tps['hf_peft']:.1f}"),
         ("**mixed LoRA / base** (target >= 0.7)", f"**{tps['mixed'] / tps['base']:.2f}x**"),
         ("**mixed LoRA / HF+peft serial** (target >= 8)", f"**{tps['mixed'] / tps['hf_peft']:.1f}x**"),
-        ("segmented ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
+        ("Loraplex's ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
         ("mixed beside another OpenMP team (embedded server), libgomp defaults / spin settings (tok/s)",
          f"{tps['beside']:.0f} / {tps['beside_spin']:.0f}"),
         ("GRPO group 4 x n=8, prompt 384: prefix caching on / off (time)",
