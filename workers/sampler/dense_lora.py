@@ -75,12 +75,10 @@ class DenseLoRA:
             return None
         a = lora_a_stacked[0].new_zeros(k, in_features)
         a[:used] = torch.cat([s[index, 0].reshape(-1, in_features) for s in lora_a_stacked])
+        # slice s: [out_s, groups * rank], its outputs against its adapters' columns, on the diagonal
+        blocks = [s[index, 0].permute(1, 0, 2).reshape(width, -1) for s, width in zip(lora_b_stacked, outs)]
         b = lora_b_stacked[0].new_zeros(out, k)
-        col = o0 = 0
-        for stacked, width in zip(lora_b_stacked, outs):  # slice s: its adapters' columns, its outputs
-            block = stacked[index, 0]  # [groups, out_s, rank]
-            b[o0: o0 + width, col: col + block.shape[0] * rank] = block.permute(1, 0, 2).reshape(width, -1)
-            col, o0 = col + block.shape[0] * rank, o0 + width
+        b[:, :used] = torch.block_diag(*blocks)
         column_group = torch.full((k,), -2, dtype=torch.int64)
         column_group[:used] = (torch.arange(used) // rank) % len(slots)
         pack = torch.ops._C.convert_weight_packed
