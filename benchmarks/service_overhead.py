@@ -9,18 +9,21 @@ optim_step().result(); p50/p99 per round through the SDK and in-process, and the
 wake-up, and writing the adapter's durable state after every optim_step).
 Part 2, throughput: `clients` SDK clients (one tenant each) run rounds concurrently; requests/s
 and how many tenants shared each batched engine call on average.
-Both parts run twice: with the server in a process of its own (as `python -m service serve` runs
-beside a user's notebook) and with the server on a thread of the client's process (the two then
-share one GIL).
+Both parts run twice: against `python -m service serve` in a process of its own (the README's
+main command, as a user runs it beside a notebook) and against the embedded server on a thread
+of the client's process (`ServerThread`, as a notebook or a test embeds it: the two then share
+one GIL, and the OpenMP defaults, since torch was loaded first).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -28,11 +31,14 @@ import numpy as np
 import tinker
 import transformers
 import typer
+from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from db.session import make_engine, make_session_factory
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
+from service.tenants import create_tenant
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
@@ -79,37 +85,43 @@ class RawClient:
         self._wait(r.json()["request_id"])
 
 
-def _serve(settings: Settings, conn) -> None:
-    """A child process: an embedded server, answering the parent's requests on `conn`."""
-    server = LocalServer(settings)
-    conn.send(server.base_url)
-    while (command := conn.recv()) != "stop":
-        conn.send(server.new_tenant() if command == "tenant" else server.cycle_sizes())
-    server.stop()
-
-
-class ServerProcess:
-    """ServerThread's interface over an embedded server in a child process."""
+class ServeCommand:
+    """`python -m service serve` in a process of its own, exactly as a user starts it beside a
+    notebook (with the OpenMP settings it applies before torch loads). Tenants are created in its
+    SQLite database from here."""
 
     def __init__(self, settings: Settings) -> None:
-        self._conn, child = multiprocessing.get_context("spawn").Pipe()
-        self._process = multiprocessing.get_context("spawn").Process(target=_serve, args=(settings, child))
-        self._process.start()
-        self.base_url = self._conn.recv()
+        self._log = open(settings.data_dir / "serve.log", "wb")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--base-model", settings.base_model,
+             "--port", str(settings.port), "--data-dir", str(settings.data_dir)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        self.base_url = f"http://{settings.host}:{settings.port}"
+        deadline = time.monotonic() + 600
+        while not self._healthy():
+            if time.monotonic() > deadline or self._process.poll() is not None:
+                raise RuntimeError(f"the server did not start; see {self._log.name}")
+            time.sleep(0.2)
+        self._sessions = make_session_factory(make_engine(settings.resolved_database_url))
+        # one sample waits until vLLM is up: it loads in the background, not while we measure
+        tinker.ServiceClient(base_url=self.base_url, api_key=self.new_tenant()).create_sampling_client(
+            base_model=settings.base_model).sample(types.ModelInput.from_ints([1, 2, 3]), 1,
+                                                   types.SamplingParams(max_tokens=1)).result()
 
-    def _ask(self, command: str):
-        self._conn.send(command)
-        return self._conn.recv()
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def new_tenant(self) -> str:
-        return self._ask("tenant")
-
-    def cycle_sizes(self) -> list[int]:
-        return self._ask("cycles")
+        with self._sessions() as s:
+            return create_tenant(s, f"bench-{uuid.uuid4().hex[:8]}")[1]
 
     def stop(self) -> None:
-        self._conn.send("stop")
-        self._process.join(timeout=60)
+        self._process.terminate()
+        self._process.wait(timeout=60)
+        self._log.close()
 
 
 class LocalServer(ServerThread):
@@ -120,8 +132,12 @@ class LocalServer(ServerThread):
         if self.embedded.sampling is not None:  # vLLM starts in the background: not while we measure
             self.embedded.sampling.engine.wait_ready(timeout=600)
 
-    def cycle_sizes(self) -> list[int]:
-        return [len(c) for c in self.embedded.scheduler.cycle_log.cycles]
+
+def tenants_per_cycle(base_url: str) -> tuple[float, float]:
+    """(sum, count) of the server's histogram of tenants per batched forward_backward call."""
+    text = httpx.get(f"{base_url}/metrics").text
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return samples["loraplex_cycle_tenants_sum"], samples["loraplex_cycle_tenants_count"]
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -130,7 +146,7 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 def measure(server, rounds: int, clients: int) -> dict:
-    """Both parts against `server` (a ServerProcess or a LocalServer), which it stops."""
+    """Both parts against `server` (a ServeCommand or a LocalServer), which it stops."""
     rows = token_rows(0)
     try:
         # --- latency: SDK round vs in-process round, interleaved ---
@@ -162,7 +178,7 @@ def measure(server, rounds: int, clients: int) -> dict:
         trainers = [tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
                     .create_lora_training_client(base_model="tiny", rank=8, seed=i).result() for i in range(clients)]
         per_client = max(1, rounds // clients * 2)
-        cycles_before = len(server.cycle_sizes())
+        tenants_before, cycles_before = tenants_per_cycle(server.base_url)
 
         def run(trainer):
             for _ in range(per_client):
@@ -176,7 +192,8 @@ def measure(server, rounds: int, clients: int) -> dict:
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - t0
-        mean_batch = statistics.mean(server.cycle_sizes()[cycles_before:])
+        tenants_after, cycles_after = tenants_per_cycle(server.base_url)
+        mean_batch = (tenants_after - tenants_before) / (cycles_after - cycles_before)
     finally:
         server.stop()
     sdk_p50, sdk_p99 = percentiles(sdk_times)
@@ -189,7 +206,7 @@ def measure(server, rounds: int, clients: int) -> dict:
 def main(rounds: int = 100, clients: int = 8, write: bool = True) -> None:
     transformers.utils.logging.disable_progress_bar()
     results = {}
-    for where, server_class in (("process", ServerProcess), ("thread", LocalServer)):
+    for where, server_class in (("process", ServeCommand), ("thread", LocalServer)):
         results[where] = measure(server_class(Settings(data_dir=Path(tempfile.mkdtemp()), port=free_port())),
                                  rounds, clients)
         print(where, results[where], flush=True)

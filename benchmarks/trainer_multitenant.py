@@ -32,6 +32,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
+from workers.cpu_threads import intra_op_threads
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
@@ -80,7 +81,7 @@ def round_one_tenant(engine, data):
 
 
 def round_lora_free(engine, data):
-    """The engine's own passes (same pass size) with an empty routing plan. The embeddings' output
+    """The engine's own passes (same pass size and threads) with an empty routing plan. The embeddings' output
     is made to require grad, so the backward runs through every layer as it must with LoRA, while
     no weight gradient is computed (not even the tied lm_head's)."""
     request = ForwardBackwardInput("all", [d for tenant in data for d in tenant])
@@ -88,7 +89,9 @@ def round_lora_free(engine, data):
     hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_())
     try:
         for pieces in split_into_passes(prepared, engine.max_pass_tokens, engine.min_shared_prefix):
-            engine.target_logprobs(pack(pieces, engine.min_shared_prefix), RoutingPlan([]))[:, 0].sum().backward()
+            batch = pack(pieces, engine.min_shared_prefix)
+            with intra_op_threads(engine.pass_threads(batch.input_ids.numel())):  # as the engine's passes
+                engine.target_logprobs(batch, RoutingPlan([]))[:, 0].sum().backward()
     finally:
         hook.remove()
 

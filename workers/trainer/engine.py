@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from workers.cpu_threads import intra_op_threads
 from workers.host_memory import retain_freed_host_memory
 from workers.models.registry import resolve_model
 from workers.trainer import checkpoints
@@ -37,6 +38,15 @@ from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 
+# A CPU pass of fewer multiply-adds (rows x base parameters) than this runs on one thread. Its ops
+# are then too small to share: waking the other OpenMP thread and waiting for it at every op costs
+# more than it saves, the more so beside a server's other threads. Forward_backward + optim_step
+# on a thread of a process running vLLM, one thread against two (median of 15): `tiny` (0.14M
+# parameters) at 32 to 1,024 tokens 0.72-0.84x the time; SmolLM2-135M at 8 tokens 0.93x, at 32
+# tokens 1.21x (there two threads win).
+PARALLEL_MIN_MACS = 2e9
+
+
 class TrainerEngine:
     def __init__(
         self,
@@ -49,6 +59,7 @@ class TrainerEngine:
         sgmv_backend: str = "auto",
         max_pass_tokens: int = 512,
         min_shared_prefix: int = MIN_SHARED_TOKENS,
+        parallel_min_macs: float = PARALLEL_MIN_MACS,
     ) -> None:
         retain_freed_host_memory()  # before the model loads: passes then reuse warm pages
         self.model_path = resolve_model(str(base_model), cache_dir)
@@ -68,6 +79,8 @@ class TrainerEngine:
         self.model.requires_grad_(False)
         self.router = Router(sgmv_backend)
         self.base_layers = wrap_linear_layers(self.model, self.router)
+        self.parallel_min_macs = parallel_min_macs
+        self._base_parameters = sum(p.numel() for p in self.model.parameters())
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_seq_len = self.model.config.max_position_embeddings
         self.adapters: dict[str, Adapter] = {}
@@ -135,6 +148,18 @@ class TrainerEngine:
         batch = pack(prepared, self.min_shared_prefix)
         needs_grad = any(not p.request.forward_only for p in prepared)
         plan = RoutingPlan([(self.adapters[a], start, end) for a, start, end in batch.adapter_spans])
+        with intra_op_threads(self.pass_threads(batch.input_ids.numel())):
+            return self._packed_pass(prepared, batch, plan, needs_grad)
+
+    def pass_threads(self, rows: int) -> int | None:
+        """Intra-op threads for a pass over `rows` token rows: one for a small CPU pass, else
+        None (torch's default)."""
+        if self.device.type != "cpu" or rows * self._base_parameters >= self.parallel_min_macs:
+            return None
+        return 1
+
+    def _packed_pass(self, prepared: list[PreparedRequest], batch: PackedBatch, plan: RoutingPlan,
+                     needs_grad: bool) -> list[ForwardBackwardOutput]:
         with torch.set_grad_enabled(needs_grad):
             target_logprobs = self.target_logprobs(batch, plan)
             outputs, total_loss = [], None
