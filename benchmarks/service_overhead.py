@@ -211,7 +211,7 @@ def main(rounds: int = 100, clients: int = 8, write: bool = True) -> None:
                                  rounds, clients)
         print(where, results[where], flush=True)
 
-    lines = ["| measure | server in its own process | server on a thread of the client's process |", "|---|---|---|"]
+    lines = ["| measure | `python -m service serve` (own process) | server on a thread of the client's process |", "|---|---|---|"]
 
     def row(label: str, cell) -> None:
         lines.append(f"| {label} | {cell(results['process'])} | {cell(results['thread'])} |")
