@@ -38,8 +38,8 @@ def available() -> bool:
 
 def current() -> tuple[int, int | None]:
     """(OpenMP, MKL) threads an op started on this thread would use; MKL None without MKL."""
-    torch.get_num_threads()
-    return _omp_get_max_threads(), _mkl_get_max_threads() if _mkl_get_max_threads else None
+    omp = torch.get_num_threads()  # = omp_get_max_threads() where torch uses OpenMP
+    return omp, (_mkl_get_max_threads() if _mkl_get_max_threads else None)
 
 
 @contextmanager

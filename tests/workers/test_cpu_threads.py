@@ -32,6 +32,21 @@ def test_one_thread_inside_the_block_only_on_this_thread_and_restored_after():
     assert cpu_threads.current() == before
 
 
+def test_set_on_a_fresh_thread_before_its_first_torch_op():
+    """torch sets a new thread's count lazily, at its first parallel op: that must not undo ours."""
+    seen = []
+
+    def fresh():
+        with intra_op_threads(1):
+            torch.randn(256, 256).exp().sum()
+            seen.append(cpu_threads.current()[0])
+
+    thread = threading.Thread(target=fresh)
+    thread.start()
+    thread.join()
+    assert seen == [1]
+
+
 def test_none_leaves_the_count_alone():
     before = cpu_threads.current()
     with intra_op_threads(None):
