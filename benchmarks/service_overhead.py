@@ -1,7 +1,7 @@
 """What the service adds: a small forward_backward + optim_step through the official tinker SDK
 over HTTP (embedded server on loopback) versus the same engine calls in-process, side by side.
 
-    .venv/bin/python benchmarks/service_overhead.py [--rounds 100] [--clients 8]
+    .venv/bin/python -m benchmarks.service_overhead [--rounds 100] [--clients 8]   # from the repository root (uses tests/ helpers)
 
 Part 1, latency: one client, `rounds` rounds of forward_backward(2 x 16 tokens).result() +
 optim_step().result(); p50/p99 per round through the SDK and in-process, and the p50 difference
@@ -17,9 +17,8 @@ one GIL, and the OpenMP defaults, since torch was loaded first).
 
 from __future__ import annotations
 
+import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,14 +30,13 @@ import numpy as np
 import tinker
 import transformers
 import typer
-from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from db.session import make_engine, make_session_factory
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
-from service.tenants import create_tenant
+from tests.distributed.processes import create_tenant_key, start_service, wait_healthy
+from tests.servers import metric
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
@@ -91,37 +89,22 @@ class ServeCommand:
     SQLite database from here."""
 
     def __init__(self, settings: Settings) -> None:
-        self._log = open(settings.data_dir / "serve.log", "wb")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--base-model", settings.base_model,
-             "--port", str(settings.port), "--data-dir", str(settings.data_dir)],
-            stdout=self._log, stderr=subprocess.STDOUT)
+        self._database_url = settings.resolved_database_url
+        self._process = start_service("serve", dict(os.environ), "--base-model", settings.base_model,
+                                      "--port", str(settings.port), "--data-dir", str(settings.data_dir))
         self.base_url = f"http://{settings.host}:{settings.port}"
-        deadline = time.monotonic() + 600
-        while not self._healthy():
-            if time.monotonic() > deadline or self._process.poll() is not None:
-                raise RuntimeError(f"the server did not start; see {self._log.name}")
-            time.sleep(0.2)
-        self._sessions = make_session_factory(make_engine(settings.resolved_database_url))
+        wait_healthy(self._process, self.base_url, seconds=600)
         # one sample waits until vLLM is up: it loads in the background, not while we measure
         tinker.ServiceClient(base_url=self.base_url, api_key=self.new_tenant()).create_sampling_client(
             base_model=settings.base_model).sample(types.ModelInput.from_ints([1, 2, 3]), 1,
                                                    types.SamplingParams(max_tokens=1)).result()
 
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
     def new_tenant(self) -> str:
-        with self._sessions() as s:
-            return create_tenant(s, f"bench-{uuid.uuid4().hex[:8]}")[1]
+        return create_tenant_key(self._database_url, f"bench-{uuid.uuid4().hex[:8]}")
 
     def stop(self) -> None:
         self._process.terminate()
         self._process.wait(timeout=60)
-        self._log.close()
 
 
 class LocalServer(ServerThread):
@@ -135,9 +118,7 @@ class LocalServer(ServerThread):
 
 def tenants_per_cycle(base_url: str) -> tuple[float, float]:
     """(sum, count) of the server's histogram of tenants per batched forward_backward call."""
-    text = httpx.get(f"{base_url}/metrics").text
-    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-    return samples["loraplex_cycle_tenants_sum"], samples["loraplex_cycle_tenants_count"]
+    return metric(base_url, "loraplex_cycle_tenants_sum"), metric(base_url, "loraplex_cycle_tenants_count")
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -227,7 +208,7 @@ def main(rounds: int = 100, clients: int = 8, write: bool = True) -> None:
     print("\n".join(lines))
     if write:
         RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(f"Command: `.venv/bin/python benchmarks/service_overhead.py --rounds {rounds} --clients {clients}`"
+        RESULTS.write_text(f"Command: `.venv/bin/python -m benchmarks.service_overhead --rounds {rounds} --clients {clients}`"
                            f" (model tiny, SQLite, embedded server on loopback)\n\n" + "\n".join(lines) + "\n")
 
 
