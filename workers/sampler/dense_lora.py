@@ -17,6 +17,7 @@ the segmented path. Weight layouts are vLLM's (see vllm_lora_ops).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ DENSE_MAX_ROWS = 64
 _K_ALIGN, _N_ALIGN = 32, 16  # what the AMX kernel's VNNI packing needs of K and N
 
 
+@functools.cache  # asked at every LoRA layer call of a decode step
 def available(dtype: torch.dtype) -> bool:
     """Whether this CPU and vLLM build have the AMX kernel for `dtype`."""
     if dtype == torch.bfloat16:

@@ -63,7 +63,6 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
         # decode steps on AMX: per layer the adapters prepacked (dense_lora), and per step the
         # shrink columns each row must not see
-        self._dense_available: dict[torch.dtype, bool] = {}
         self._dense: dict[int, tuple[tuple, tuple[int, ...], dense_lora.DenseLoRA | None]] = {}
         self._keep_bits: dict[tuple, torch.Tensor] = {}
 
@@ -139,9 +138,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         row_slots: each row's adapter slot; active: the slots they use; keep_bits_cache: where this
         step keeps its masks (None: a one-off call)."""
         dtype = lora_a_stacked[0].dtype
-        if dtype not in self._dense_available:
-            self._dense_available[dtype] = dense_lora.available(dtype)
-        if not self._dense_available[dtype] or not x2.dtype == y2.dtype == dtype or row_slots.numel() != y2.shape[0]:
+        if not dense_lora.available(dtype) or not x2.dtype == y2.dtype == dtype or row_slots.numel() != y2.shape[0]:
             return False
         layer = lora_a_stacked[0].data_ptr()
         cached = self._dense.get(layer)
