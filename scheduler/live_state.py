@@ -45,8 +45,8 @@ class LiveStates:
 
     def persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False) -> None:
         """Capture the model's state as of `seq_id` now; write it before returning, or (wait=False) in the
-        background from a copy. Every write of a model goes through the writer, so none overtakes a newer one."""
-        state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients, copy=not wait)
+        background (the capture is a copy). Every write of a model goes through the writer, so none overtakes a newer one."""
+        state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients)
         self._captured_at[model_id] = time.monotonic()
         self._unwritten.pop(model_id, None)
         self.writer.submit(model_id, self.path(model_id), state, {"seq_id": seq_id})

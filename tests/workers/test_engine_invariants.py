@@ -64,7 +64,7 @@ def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
     b = engine.adapter("b")
     before = {n: p.detach().clone() for n, p in b.named_parameters()}
     grads_before = grads(engine, "b")
-    moments_before = {n: {k: v.clone() for k, v in b.adam_state[p].items()} for n, p in b.named_parameters()}
+    moments_before = {k: v.clone() for k, v in b.adam_state.items()}
 
     brutal = AdamParams(learning_rate=10.0, weight_decay=0.9, grad_clip_norm=1e-3)
     engine.optim_step([("a", brutal), ("c", brutal)])
@@ -72,8 +72,8 @@ def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
     for n, p in b.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
         assert torch.equal(p.grad, grads_before[n]), n
-        for k, v in b.adam_state[p].items():
-            assert torch.equal(v, moments_before[n][k]), (n, k)
+    for k, v in b.adam_state.items():
+        assert torch.equal(v, moments_before[k]), k
     assert b.step == 1 and engine.adapter("a").step == 1 and engine.adapter("c").step == 2
 
 
@@ -99,8 +99,8 @@ def test_one_optim_step_call_equals_each_adapter_stepped_alone(engine, tiny_mode
         mine, reference = engine.adapter(adapter_id), alone.adapter(adapter_id)
         for (n, p), q in zip(mine.named_parameters(), reference.parameters()):
             assert torch.equal(p.detach(), q.detach()), n
-            for k, v in mine.adam_state[p].items():
-                assert torch.equal(v, reference.adam_state[q][k]), (n, k)
+        for k, v in mine.adam_state.items():
+            assert torch.equal(v, reference.adam_state[k]), (adapter_id, k)
 
 
 def test_weights_times_two_doubles_the_loss(engine):
@@ -209,3 +209,18 @@ def test_a_step_on_non_finite_gradients_is_refused_and_leaves_the_adapter_as_it_
 
     engine.forward_backward([ForwardBackwardInput("a", datums("cross_entropy", 22), "cross_entropy")])
     assert engine.optim_step([("a", AdamParams(1e-2))])[0]["step"] == 1.0  # and it trains on
+
+
+def test_every_matrix_and_its_gradient_is_a_view_of_the_adapters_flat_tensors(engine):
+    """The optimizer updates the flat tensors: the matrices the layers read must be views of them."""
+    a = engine.adapter("a")
+    assert not a.has_gradients() and not a.flat_grads.any()
+    engine.forward_backward([ForwardBackwardInput("a", datums("cross_entropy", 30), "cross_entropy")])
+    assert a.has_gradients() and a.flat_grads.any()
+    assert torch.equal(torch.cat([p.grad.flatten() for p in a.parameters()]), a.flat_grads)
+    before = a.flat_weights.clone()
+    engine.optim_step([("a", AdamParams(1e-2))])
+    assert not torch.equal(a.flat_weights, before)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in a.parameters()]), a.flat_weights)
+    assert not a.has_gradients() and not a.flat_grads.any()  # the step cleared them
+    assert all(p.untyped_storage().data_ptr() == a.flat_weights.untyped_storage().data_ptr() for p in a.parameters())

@@ -107,8 +107,12 @@ def test_auto_choice_on_cpu(bounds, out_features, expected):
 GROUP_OUTS = (40, 16, 16)  # a q/k/v-like group: layers of different widths reading one input
 
 
-def _group_run(grouped: bool, backend: str, bounds, ranks, n_rows):
-    """Outputs, dX and every dA, dB of a group of layers, computed as one node or layer by layer."""
+PRESET = 0.5  # what a gradient destination holds before the pass: gradients are added to it
+
+
+def _group_run(grouped: bool, backend: str, bounds, ranks, n_rows, into_destinations: bool = False):
+    """Outputs, dX and every dA, dB of a group of layers, computed as one node or layer by layer;
+    with `into_destinations`, each dA and dB as added into the segment's own gradient tensors."""
     gen = torch.Generator().manual_seed(11)
     layers = [torch.nn.Linear(IN, out, bias=i == 1) for i, out in enumerate(GROUP_OUTS)]  # one with a bias
     for layer in layers:
@@ -121,7 +125,8 @@ def _group_run(grouped: bool, backend: str, bounds, ranks, n_rows):
         for (start, end), rank in zip(bounds, ranks):
             a = torch.randn(rank, IN, generator=gen).requires_grad_()
             b = torch.randn(out, rank, generator=gen).requires_grad_()
-            layer_segments.append(Segment(start, end, a, b, scale=float(rank) / 3))
+            dests = (torch.full_like(a, PRESET), torch.full_like(b, PRESET)) if into_destinations else (None, None)
+            layer_segments.append(Segment(start, end, a, b, float(rank) / 3, *dests))
         segments.append(layer_segments)
     x = torch.randn(n_rows, IN, generator=gen).requires_grad_()
     grad_outs = [torch.randn(n_rows, out, generator=gen) for out in GROUP_OUTS]
@@ -132,6 +137,9 @@ def _group_run(grouped: bool, backend: str, bounds, ranks, n_rows):
         outs = [apply_segmented_lora(x * 1, layer(x * 1), segs, backend) for layer, segs in zip(layers, segments)]
     torch.autograd.backward(outs, grad_outs)
     weights = [w.grad for segs in segments for s in segs for w in (s.lora_a, s.lora_b)]
+    if into_destinations:
+        assert all(w is None for w in weights)  # autograd got None for every weight
+        weights = [d - PRESET for segs in segments for s in segs for d in (s.grad_a, s.grad_b)]
     return [out.detach() for out in outs] + [x.grad] + weights
 
 
@@ -145,6 +153,20 @@ def test_group_equals_layer_by_layer(layout, backend):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, i
         # fp32 rounding of products summed in another order: ~1e-7 of the largest value
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=f"tensor {i}")
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["group", "layer by layer"])
+@pytest.mark.parametrize("backend", ["loop", "bmm"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_weight_gradients_added_into_destinations_equal_autograds(layout, backend, grouped):
+    """Segments that name gradient tensors (the trainer's flat .grad views) get dA and dB added
+    there, equal to what autograd gets without them; outputs and dX are unchanged."""
+    bounds, n_rows = LAYOUTS[layout]
+    ranks = [4, 8, 2, 8][: len(bounds)]
+    got = _group_run(grouped, backend, bounds, ranks, n_rows, into_destinations=True)
+    want = _group_run(grouped, backend, bounds, ranks, n_rows)
+    for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=f"tensor {i}")
 
 

@@ -29,6 +29,11 @@ Backends of the segment math:
 would double the rows or the layer is vocabulary-wide (lm_head, where the loop's in-place
 update saves [tokens, vocab] temporaries and per-call overhead is negligible), else the loop.
 Rows outside every segment get no delta.
+
+A segment may name where its weight gradients go (`grad_a`, `grad_b`: the trainer passes each
+adapter's `.grad` views of one flat tensor). They are then added there, in the matmul itself where
+the loop computes them, and autograd gets None for those weights: no gradient tensor of its own,
+no AccumulateGrad copy or add, and the adapter's gradients stay in their flat tensor.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Segment:
     lora_a: torch.Tensor  # [rank, in_features]
     lora_b: torch.Tensor  # [out_features, rank]
     scale: float
+    grad_a: torch.Tensor | None = None  # if given, dA is added in here instead of returned to autograd
+    grad_b: torch.Tensor | None = None  # likewise dB
 
 
 BACKENDS = ("auto", "loop", "bmm", "triton")
@@ -70,8 +77,9 @@ def apply_segmented_lora(
     bounds = tuple((s.start, s.end) for s in segments)
     scales = tuple(s.scale for s in segments)
     weights = [s.lora_a.to(x.dtype) for s in segments] + [s.lora_b.to(x.dtype) for s in segments]
+    dests = tuple(s.grad_a for s in segments) + tuple(s.grad_b for s in segments)
     method = _choose(backend, x, base_out.shape[-1], bounds)
-    return _SegmentedLoRA.apply(x, base_out, bounds, scales, method, *weights)
+    return _SegmentedLoRA.apply(x, base_out, bounds, scales, method, dests, *weights)
 
 
 def _choose(backend: str, x: torch.Tensor, out_features: int, bounds) -> str:
@@ -87,7 +95,7 @@ def _choose(backend: str, x: torch.Tensor, out_features: int, bounds) -> str:
 
 class _SegmentedLoRA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, base_out, bounds, scales, method, *weights):
+    def forward(ctx, x, base_out, bounds, scales, method, dests, *weights):
         n = len(bounds)
         lora_as, lora_bs = weights[:n], weights[n:]
         x2 = x.reshape(-1, x.shape[-1])
@@ -98,7 +106,7 @@ class _SegmentedLoRA(torch.autograd.Function):
         else:
             saved = _cpu_forward_(method, x2, [out2], bounds, scales, [lora_as], [lora_bs])
         ctx.mark_dirty(base_out)
-        ctx.bounds, ctx.scales, ctx.method, ctx.x_shape = bounds, scales, method, x.shape
+        ctx.bounds, ctx.scales, ctx.method, ctx.x_shape, ctx.dests = bounds, scales, method, x.shape, dests
         ctx.ranks = [a.shape[0] for a in lora_as]
         ctx.save_for_backward(x2, *lora_as, *lora_bs, *saved)
         return base_out
@@ -115,9 +123,9 @@ class _SegmentedLoRA(torch.autograd.Function):
         else:
             dx = torch.zeros_like(x2) if need_dx else None
             (grad_as,), (grad_bs,) = _cpu_backward_(ctx.method, x2, [g2], dx, ctx.bounds, ctx.scales, extra,
-                                                    [lora_bs], ctx.ranks)
+                                                    [lora_bs], ctx.ranks, [ctx.dests[n:]])
         dx = dx.view(ctx.x_shape) if need_dx else None
-        return (dx, grad_out, None, None, None, *grad_as, *grad_bs)
+        return (dx, grad_out, None, None, None, None, *_deliver([*grad_as, *grad_bs], ctx.dests))
 
 
 def apply_lora_group(
@@ -135,19 +143,21 @@ def apply_lora_group(
         raise ValueError("LoRA groups run on the CPU backends; on GPU use apply_segmented_lora per layer")
     weights = [s.lora_a.to(x.dtype) for segs in segments for s in segs]
     weights += [s.lora_b.to(x.dtype) for segs in segments for s in segs]
+    dests = tuple(s.grad_a for segs in segments for s in segs) + tuple(s.grad_b for segs in segments for s in segs)
     bases = tuple((layer.weight, layer.bias) for layer in layers)
-    return list(_LoRAGroup.apply(x, bases, bounds, scales, method, *weights))
+    return list(_LoRAGroup.apply(x, bases, bounds, scales, method, dests, *weights))
 
 
 class _LoRAGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bases, bounds, scales, method, *weights):
+    def forward(ctx, x, bases, bounds, scales, method, dests, *weights):
         half = len(weights) // 2
         lora_as, lora_bs = _by_layer(weights[:half], len(bounds)), _by_layer(weights[half:], len(bounds))
         x2 = x.reshape(-1, x.shape[-1])
         outs = [F.linear(x2, weight, bias) for weight, bias in bases]
         saved = _cpu_forward_(method, x2, outs, bounds, scales, lora_as, lora_bs)
         ctx.bases, ctx.bounds, ctx.scales, ctx.method, ctx.x_shape = bases, bounds, scales, method, x.shape
+        ctx.dests = dests
         ctx.ranks = [a.shape[0] for a in lora_as[0]]
         ctx.save_for_backward(x2, *weights[half:], *saved)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
@@ -161,16 +171,29 @@ class _LoRAGroup(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # the base layers' part, sum of g_i @ W_i, built in place
             for g, (weight, _) in zip(gs, ctx.bases):
                 dx = g @ weight if dx is None else dx.addmm_(g, weight)
+        n_a = len(ctx.dests) // 2
         grad_as, grad_bs = _cpu_backward_(ctx.method, x2, gs, dx, ctx.bounds, ctx.scales, extra,
-                                          _by_layer(lora_bs, len(ctx.bounds)), ctx.ranks)
+                                          _by_layer(lora_bs, len(ctx.bounds)), ctx.ranks,
+                                          _by_layer(ctx.dests[n_a:], len(ctx.bounds)))
         dx = dx.view(ctx.x_shape) if dx is not None else None
         flat = [g for layer in grad_as for g in layer] + [g for layer in grad_bs for g in layer]
-        return (dx, None, None, None, None, *flat)
+        return (dx, None, None, None, None, None, *_deliver(flat, ctx.dests))
 
 
 def _by_layer(flat, n_segments: int) -> list[tuple]:
     """[every layer's matrices, segment after segment] -> one tuple per layer."""
     return [tuple(flat[i : i + n_segments]) for i in range(0, len(flat), n_segments)]
+
+
+def _deliver(grads: list, dests: tuple) -> list:
+    """The weight gradients for autograd: each one with a destination is added there instead (and
+    autograd gets None); one already added there by the backward (None) stays None."""
+    out = []
+    for grad, dest in zip(grads, dests):
+        if dest is not None and grad is not None:
+            dest.add_(grad)
+        out.append(None if dest is not None else grad)
+    return out
 
 
 # --- CPU backends, over the layers of a group (one layer for apply_segmented_lora) --------------
@@ -190,8 +213,10 @@ def _cpu_forward_(method, x2, outs, bounds, scales, lora_as, lora_bs) -> list[to
     return saved
 
 
-def _cpu_backward_(method, x2, gs, dx, bounds, scales, saved, lora_bs, ranks):
-    """Adds the LoRA part of dX into dx (unless None); returns dA and dB per layer and segment."""
+def _cpu_backward_(method, x2, gs, dx, bounds, scales, saved, lora_bs, ranks, grad_b_dests):
+    """Adds the LoRA part of dX into dx (unless None); returns dA and dB per layer and segment. The
+    loop adds each dB with a destination (grad_b_dests, per layer and segment) into it in its matmul,
+    and returns None for it."""
     if method == "bmm":
         return padded_segments.backward_(gs, dx, segment_grid(bounds, x2.shape[0]), saved, ranks)
     grad_as, grad_bs = [[] for _ in gs], [[] for _ in gs]
@@ -201,7 +226,12 @@ def _cpu_backward_(method, x2, gs, dx, bounds, scales, saved, lora_bs, ranks):
         # scale the small [tokens, rank] / [out, rank] products, never the [tokens, out] gradient
         dv = _concat([g @ b[s] for g, b in zip(rows, lora_bs)], dim=1).mul_(scale)
         for i, (g, v_layer) in enumerate(zip(rows, v.chunk(len(gs), dim=1))):
-            grad_bs[i].append((g.t() @ v_layer).mul_(scale))
+            dest = grad_b_dests[i][s]
+            if dest is None:
+                grad_bs[i].append((g.t() @ v_layer).mul_(scale))
+            else:  # accumulated in the matmul: no [out, rank] temporary, no scaling pass
+                dest.addmm_(g.t(), v_layer, alpha=scale)
+                grad_bs[i].append(None)
         for i, grad_a in enumerate((dv.t() @ x2[start:end]).chunk(len(gs), dim=0)):
             grad_as[i].append(grad_a)
         if dx is not None:

@@ -67,8 +67,9 @@ def save_peft_adapter(
     tensors = {}
     for path_in_model, w in adapter.weights.items():
         prefix = f"base_model.model.{path_in_model}"
-        tensors[f"{prefix}.lora_A.weight"] = w.lora_a.detach().cpu().contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = w.lora_b.detach().cpu().contiguous()
+        # copies: the matrices are views of one flat tensor, and safetensors refuses shared storage
+        tensors[f"{prefix}.lora_A.weight"] = w.lora_a.detach().to("cpu", copy=True)
+        tensors[f"{prefix}.lora_B.weight"] = w.lora_b.detach().to("cpu", copy=True)
     with store.writing(path) as tmp:
         peft_config.save_pretrained(tmp)
         save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
@@ -129,23 +130,20 @@ class TrainingState:
     tensors: dict[str, torch.Tensor]  # weight/<name>, exp_avg/<name>, exp_avg_sq/<name>, grad/<name>
 
     @classmethod
-    def capture(cls, adapter: Adapter, *, with_gradients: bool = False, copy: bool = False) -> "TrainingState":
+    def capture(cls, adapter: Adapter, *, with_gradients: bool = False) -> "TrainingState":
         """Weights, Adam moments and step; `with_gradients` adds the gradients accumulated since the
-        last optim_step (the adapter's full state, for moving it). `copy` clones the tensors, so the
-        state stays as it is now while the adapter trains on."""
+        last optim_step (the adapter's full state, for moving it). The tensors are copies: the state
+        stays as it is now while the adapter trains on."""
+        names = [name for name, _ in adapter.named_parameters()]
+        flats = {"weight": adapter.flat_weights}
+        if with_gradients and adapter.has_gradients():
+            flats["grad"] = adapter.flat_grads
+        if adapter.adam_state:
+            flats.update(exp_avg=adapter.adam_state["exp_avg"], exp_avg_sq=adapter.adam_state["exp_avg_sq"])
         tensors = {}
-
-        def put(key: str, tensor: torch.Tensor) -> None:
-            host = tensor.detach().cpu().contiguous()  # a copy already unless it was a contiguous CPU tensor
-            tensors[key] = host.clone() if copy and host.data_ptr() == tensor.data_ptr() else host
-
-        for name, p in adapter.named_parameters():
-            put(f"weight/{name}", p)
-            if with_gradients and p.grad is not None:
-                put(f"grad/{name}", p.grad)
-            if state := adapter.adam_state.get(p):
-                put(f"exp_avg/{name}", state["exp_avg"])
-                put(f"exp_avg_sq/{name}", state["exp_avg_sq"])
+        for kind, flat in flats.items():  # copies: safetensors refuses views of one storage
+            tensors.update({f"{kind}/{name}": view.detach().to("cpu", copy=True)
+                            for name, view in zip(names, adapter.views(flat))})
         return cls(adapter.id, adapter.config.to_dict(), adapter.step, tensors)
 
     def write(self, path: str | Path, extra: dict | None = None) -> str | Path:
@@ -224,16 +222,22 @@ def load_training_state(
     if set(weights) != expected:
         raise CheckpointError(f"{path}: its modules do not match this base model's layers")
     adapter = Adapter(adapter_id, config, weights)
+    names = [name for name, _ in adapter.named_parameters()]
+
+    def load_flat(kind: str, flat: torch.Tensor) -> torch.Tensor:
+        for name, view in zip(names, adapter.views(flat)):
+            view.copy_(tensors[f"{kind}/{name}"])
+        return flat
+
     if with_optimizer and manifest.get("has_optimizer_state"):
         adapter.step = int(manifest["step"])
-        for name, p in adapter.named_parameters():
-            adapter.adam_state[p] = {
-                "step": torch.tensor(float(adapter.step), dtype=torch.float32, device=p.device),
-                "exp_avg": tensors[f"exp_avg/{name}"].to(p.device, p.dtype),
-                "exp_avg_sq": tensors[f"exp_avg_sq/{name}"].to(p.device, p.dtype),
-            }
+        adapter.adam_state = {
+            "step": torch.tensor(float(adapter.step), dtype=torch.float32, device=adapter.flat_weights.device),
+            "exp_avg": load_flat("exp_avg", torch.empty_like(adapter.flat_weights)),
+            "exp_avg_sq": load_flat("exp_avg_sq", torch.empty_like(adapter.flat_weights)),
+        }
     if with_optimizer and manifest.get("has_gradients"):  # a moved adapter's accumulated gradients
-        for name, p in adapter.named_parameters():
-            if (grad := tensors.get(f"grad/{name}")) is not None:
-                p.grad = grad.to(p.device, p.dtype)
+        with torch.no_grad():
+            load_flat("grad", adapter.flat_grads)
+        adapter.gradients_pending = True
     return adapter

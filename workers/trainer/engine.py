@@ -170,6 +170,8 @@ class TrainerEngine:
                     total_loss = loss if total_loss is None else total_loss + loss
         if total_loss is not None:
             total_loss.backward()  # gradients accumulate into each adapter's own .grad
+            for adapter, _, _ in plan.spans:
+                adapter.gradients_pending = True
         return outputs
 
     def target_logprobs(self, batch: PackedBatch, plan: RoutingPlan) -> Tensor:

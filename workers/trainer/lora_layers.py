@@ -45,7 +45,9 @@ class RoutingPlan:
             for adapter, start, end in self.spans:
                 weights = adapter.weights.get(module_path)
                 if weights is not None and end > start:
-                    segments.append(Segment(start, end, weights.lora_a, weights.lora_b, adapter.scale))
+                    # the weight gradients go straight into the adapter's .grad (views of its flat tensor)
+                    segments.append(Segment(start, end, weights.lora_a, weights.lora_b, adapter.scale,
+                                            weights.lora_a.grad, weights.lora_b.grad))
             self._by_module[module_path] = segments
         return segments
 
