@@ -188,12 +188,10 @@ def _by_layer(flat, n_segments: int) -> list[tuple]:
 def _deliver(grads: list, dests: tuple) -> list:
     """The weight gradients for autograd: each one with a destination is added there instead (and
     autograd gets None); one already added there by the backward (None) stays None."""
-    out = []
-    for grad, dest in zip(grads, dests):
-        if dest is not None and grad is not None:
-            dest.add_(grad)
-        out.append(None if dest is not None else grad)
-    return out
+    pairs = [(dest, grad) for grad, dest in zip(grads, dests) if dest is not None and grad is not None]
+    if pairs:  # one call: the bmm path hands over a dA and a dB per layer and segment
+        torch._foreach_add_(*map(list, zip(*pairs)))
+    return [None if dest is not None else grad for grad, dest in zip(grads, dests)]
 
 
 # --- CPU backends, over the layers of a group (one layer for apply_segmented_lora) --------------
