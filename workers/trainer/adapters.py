@@ -110,6 +110,10 @@ class Adapter:
         """`flat` (shaped like flat_weights) as one view per matrix, in `named_parameters` order."""
         return [chunk.view(shape) for chunk, shape in zip(flat.split([s.numel() for s in self._shapes]), self._shapes)]
 
+    def named_views(self, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """`views(flat)` with the names of `named_parameters`."""
+        return zip((name for name, _ in self.named_parameters()), self.views(flat))
+
     @classmethod
     def create(cls, adapter_id: str, config: LoraConfig, base_layers: dict[str, nn.Linear], dtype: torch.dtype):
         """New adapter, initialised like peft: A ~ kaiming-uniform (seeded), B = 0, so it starts as a no-op."""

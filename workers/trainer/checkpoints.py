@@ -134,7 +134,6 @@ class TrainingState:
         """Weights, Adam moments and step; `with_gradients` adds the gradients accumulated since the
         last optim_step (the adapter's full state, for moving it). The tensors are copies: the state
         stays as it is now while the adapter trains on."""
-        names = [name for name, _ in adapter.named_parameters()]
         flats = {"weight": adapter.flat_weights}
         if with_gradients and adapter.has_gradients():
             flats["grad"] = adapter.flat_grads
@@ -143,7 +142,7 @@ class TrainingState:
         tensors = {}
         for kind, flat in flats.items():  # copies: safetensors refuses views of one storage
             tensors.update({f"{kind}/{name}": view.detach().to("cpu", copy=True)
-                            for name, view in zip(names, adapter.views(flat))})
+                            for name, view in adapter.named_views(flat)})
         return cls(adapter.id, adapter.config.to_dict(), adapter.step, tensors)
 
     def write(self, path: str | Path, extra: dict | None = None) -> str | Path:
@@ -222,10 +221,8 @@ def load_training_state(
     if set(weights) != expected:
         raise CheckpointError(f"{path}: its modules do not match this base model's layers")
     adapter = Adapter(adapter_id, config, weights)
-    names = [name for name, _ in adapter.named_parameters()]
-
     def load_flat(kind: str, flat: torch.Tensor) -> torch.Tensor:
-        for name, view in zip(names, adapter.views(flat)):
+        for name, view in adapter.named_views(flat):
             view.copy_(tensors[f"{kind}/{name}"])
         return flat
 
@@ -237,7 +234,6 @@ def load_training_state(
             "exp_avg_sq": load_flat("exp_avg_sq", torch.empty_like(adapter.flat_weights)),
         }
     if with_optimizer and manifest.get("has_gradients"):  # a moved adapter's accumulated gradients
-        with torch.no_grad():
-            load_flat("grad", adapter.flat_grads)
+        load_flat("grad", adapter.flat_grads)
         adapter.gradients_pending = True
     return adapter
