@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/sampler_multilora.py [--model SmolLM2-135M-Instruct] [--dtype bfloat16]
 
 Every run generates `max_tokens` tokens per sequence (EOS ignored) from random-token prompts.
-  mixed       8 adapters x 4 prompts in one engine, Loraplex's LoRA ops (segmented; dense at decode on AMX in bf16)
-  beside      the same beside another thread's OpenMP team, as in the embedded server (trainer
-              and sampler in one process), with libgomp's defaults
+  mixed       8 adapters x 4 prompts in one engine, Loraplex's LoRA ops (segmented; dense at decode on AMX in bf16);
+              the process's one OpenMP team, as in the embedded server (workers/compute_thread.py)
+  beside      the same beside another thread's OpenMP team, as in an embedded server whose trainer
+              has a thread of its own (LORAPLEX_COMPUTE_THREAD=false), with libgomp's defaults
   beside_spin the same with the embedded server's spin settings (service/openmp.py)
   stock       the same with vLLM's own CPU LoRA ops (gather a weight matrix per token)
   base        32 prompts, no adapter
@@ -166,7 +167,7 @@ def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_toke
         ("**mixed LoRA / base** (target >= 0.7)", f"**{tps['mixed'] / tps['base']:.2f}x**"),
         ("**mixed LoRA / HF+peft serial** (target >= 8)", f"**{tps['mixed'] / tps['hf_peft']:.1f}x**"),
         ("Loraplex's ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
-        ("mixed beside another OpenMP team (embedded server), libgomp defaults / spin settings (tok/s)",
+        ("mixed beside another OpenMP team (LORAPLEX_COMPUTE_THREAD=false), libgomp defaults / spin settings (tok/s)",
          f"{tps['beside']:.0f} / {tps['beside_spin']:.0f}"),
         ("GRPO group 4 x n=8, prompt 384: prefix caching on / off (time)",
          f"{results['grpo_none']['seconds'] / results['grpo_cache']['seconds']:.2f}x faster"),

@@ -32,6 +32,7 @@ from scheduler.live_state import LiveStates
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers import store
+from workers.compute_thread import ComputeThread, run_on
 from workers.trainer.checkpoints import read_manifest
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.errors import EngineError
@@ -83,12 +84,17 @@ class InProcessExecutor:
     engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
 
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0,
-                 state_write_interval: float = 0.0) -> None:
+                 state_write_interval: float = 0.0, compute: ComputeThread | None = None) -> None:
+        """compute: the thread the engine's work runs on, shared with the sampler's steps, which it
+        lets in between passes (workers/compute_thread.py); None: the calling thread."""
         self.engine = engine
         self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
         self._lock = threading.RLock()  # the engine's: held while a cycle or an eviction runs
-        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval)
+        self._compute = compute
+        if compute is not None:
+            engine.between_passes = compute.interleave
+        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval, compute)
 
     def close(self) -> None:
         """Capture the durable states not yet captured and finish writing them."""
@@ -115,19 +121,22 @@ class InProcessExecutor:
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""
         with self._lock:
-            if model_id not in self.engine.adapters:
-                return
-            last_seq = self._last_seq.pop(model_id, None)
-            if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
-                self.live.persist(model_id, last_seq, with_gradients=True)
-            self.live.forget(model_id)
-            self.engine.delete_adapter(model_id)
+            run_on(self._compute, lambda: self._evict(model_id))
+
+    def _evict(self, model_id: str) -> None:
+        if model_id not in self.engine.adapters:
+            return
+        last_seq = self._last_seq.pop(model_id, None)
+        if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
+            self.live.persist(model_id, last_seq, with_gradients=True)
+        self.live.forget(model_id)
+        self.engine.delete_adapter(model_id)
 
     # --- cycles ----------------------------------------------------------------------------------
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         with self._lock:
-            return self._run_cycle(cycle, jobs)
+            return run_on(self._compute, lambda: self._run_cycle(cycle, jobs))
 
     def _run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         self._ensure_loaded({r.model_id for r in cycle.all()})

@@ -20,14 +20,16 @@ from pathlib import Path
 
 from scheduler.state_writer import StateWriter
 from workers import store
+from workers.compute_thread import ComputeThread, run_on
 from workers.trainer.checkpoints import TrainingState, read_manifest
 from workers.trainer.engine import TrainerEngine
 
 
 class LiveStates:
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, engine_lock: threading.RLock,
-                 interval: float = 0.0) -> None:
+                 interval: float = 0.0, compute: ComputeThread | None = None) -> None:
         self.engine = engine
+        self._compute = compute  # where the timer's and close's captures (copies) run, as the engine's work
         self.live_dir = str(live_dir)
         self.interval = interval
         self.writer = StateWriter()
@@ -79,7 +81,7 @@ class LiveStates:
             self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
-            self._capture_due(math.inf)
+            run_on(self._compute, lambda: self._capture_due(math.inf))
         self.writer.close()
 
     def _capture_due(self, now: float) -> float:
@@ -111,4 +113,4 @@ class LiveStates:
                 return
             self._timer, self._timer_due = None, math.inf
             if not self._closed:
-                self._wake_at(self._capture_due(time.monotonic()))
+                self._wake_at(run_on(self._compute, lambda: self._capture_due(time.monotonic())))

@@ -27,6 +27,7 @@ from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
 from service.settings import Settings
 from service.tenants import create_tenant
+from workers.compute_thread import ComputeThread, run_on
 from workers.models.registry import model_info
 from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.trainer.engine import TrainerEngine
@@ -39,6 +40,7 @@ class EmbeddedServer:
     executor: object  # InProcessExecutor, ProcessExecutor or CeleryExecutor
     sessions: object
     sampling: SamplingDispatcher | None = None
+    compute: ComputeThread | None = None  # the trainer's and the sampler's torch work, taking turns
 
     def start(self) -> None:
         self.scheduler.start()
@@ -52,15 +54,18 @@ class EmbeddedServer:
             self.sampling.close()
         if isinstance(self.executor, (InProcessExecutor, ProcessExecutor)):
             self.executor.close()  # (an in-process one finishes writing durable states)
+        if self.compute is not None:
+            self.compute.close()
 
 
-def build_sampling(settings: Settings, info, sessions, notifier: Notifier) -> tuple[SamplingDispatcher | None, str]:
+def build_sampling(settings: Settings, info, sessions, notifier: Notifier,
+                   compute: ComputeThread | None = None) -> tuple[SamplingDispatcher | None, str]:
     """The sampling dispatcher and its (not yet started) vLLM engine, or None and why not."""
     if not settings.sampler_enabled:
         return None, "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)"
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed (pip install -e '.[sampler-cpu]', or '.[sampler-gpu]' on a GPU machine)"
-    engine = SamplerEngine(SamplerConfig.from_settings(settings, info))
+    engine = SamplerEngine(SamplerConfig.from_settings(settings, info), compute)
     return SamplingDispatcher(sessions, engine, notifier, settings.sampler_max_pending), ""
 
 
@@ -69,7 +74,10 @@ def build(settings: Settings) -> EmbeddedServer:
     url = settings.resolved_database_url
     upgrade_to_head(url)
     sessions = make_session_factory(make_engine(url))
-    info = model_info(settings.base_model)
+    # the in-process trainer and the sampler share one compute thread (one OpenMP team); a model
+    # built on first use (registry) is built there too
+    compute = ComputeThread() if settings.compute_thread else None
+    info = run_on(compute, lambda: model_info(settings.base_model))
     live_dir = settings.live_dir
     if settings.executor == "celery":  # trainer workers elsewhere; live_dir must be on a shared store
         from scheduler.celery_executor import CeleryExecutor
@@ -80,17 +88,17 @@ def build(settings: Settings) -> EmbeddedServer:
                                    state_write_interval=settings.state_write_interval_seconds,
                                    min_shared_prefix=settings.trainer_min_shared_prefix)
     else:
-        engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank,
-                               min_shared_prefix=settings.trainer_min_shared_prefix)
-        executor = InProcessExecutor(engine, live_dir,
-                                     settings.max_resident_adapters, settings.state_write_interval_seconds)
+        engine = run_on(compute, lambda: TrainerEngine(info.path, max_rank=settings.max_lora_rank,
+                                                       min_shared_prefix=settings.trainer_min_shared_prefix))
+        executor = InProcessExecutor(engine, live_dir, settings.max_resident_adapters,
+                                     settings.state_write_interval_seconds, compute)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds, settings.seq_gap_seconds)
-    sampling, unavailable = build_sampling(settings, info, sessions, notifier)
+    sampling, unavailable = build_sampling(settings, info, sessions, notifier, compute)
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
                      model_info=info, sampling_dispatcher=sampling, sampling_unavailable=unavailable)
-    return EmbeddedServer(app, scheduler, executor, sessions, sampling)
+    return EmbeddedServer(app, scheduler, executor, sessions, sampling, compute)
 
 
 def ensure_default_tenant(sessions) -> str | None:

@@ -4,6 +4,7 @@ served by the multi-LoRA vLLM sampler of a real embedded server on the tiny mode
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import httpx
 import numpy as np
@@ -70,6 +71,29 @@ def test_snapshot_isolation_and_policy_versions(service_client):
     assert tc.save_weights_for_sampler("named").result().path == path
     assert greedy(pinned) == pinned_tokens
     assert greedy(service_client.create_sampling_client(model_path=path).result()) != pinned_tokens
+
+
+def test_trainer_passes_and_sampler_steps_run_on_one_compute_thread(server, service_client, monkeypatch):
+    # one thread, so libgomp keeps one OpenMP team (workers/compute_thread.py)
+    seen: dict[str, set[str]] = {"trainer pass": set(), "sampler step": set()}
+
+    def recorded(kind, method):
+        def call(*args, **kwargs):
+            seen[kind].add(threading.current_thread().name)
+            return method(*args, **kwargs)
+        return call
+
+    trainer, sampler = server.embedded.executor.engine, server.embedded.sampling.engine
+    monkeypatch.setattr(trainer, "_pass", recorded("trainer pass", trainer._pass))
+    monkeypatch.setattr(sampler, "_step", recorded("sampler step", sampler._step))
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=8, seed=2).result()
+    sampling = tc.save_weights_and_get_sampling_client()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both engines busy at once
+        sampled = pool.submit(sampling.sample, types.ModelInput.from_ints(PROMPT), 4,
+                              types.SamplingParams(max_tokens=30, temperature=1.0, stop=[]))
+        pool.submit(train, tc, 3).result()
+        assert len(sampled.result().result().sequences) == 4
+    assert seen == {"trainer pass": {"torch-compute"}, "sampler step": {"torch-compute"}}
 
 
 def test_a_deleted_checkpoint_stops_serving(service_client):

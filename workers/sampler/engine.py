@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from loraplex.wire.codec import SampledSequenceWire
 from workers import store
+from workers.compute_thread import ComputeThread, run_on
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
 from workers.trainer.errors import EngineError, InvalidInputError
 
@@ -119,8 +120,12 @@ def to_result(job: SampleJob, output) -> SampleResult:
 
 
 class SamplerEngine:
-    def __init__(self, config: SamplerConfig) -> None:
+    def __init__(self, config: SamplerConfig, compute: ComputeThread | None = None) -> None:
+        """compute: where vLLM's torch work runs (its build, adapter loads and steps), when the
+        process shares one compute thread between engines (workers/compute_thread.py); else on
+        the engine thread itself."""
         self.config = config
+        self._compute = compute
         self.ready = threading.Event()
         self.failed: BaseException | None = None
         self._inbox: queue.SimpleQueue[tuple[SampleJob, Callback]] = queue.SimpleQueue()
@@ -281,7 +286,7 @@ class SamplerEngine:
 
     def _run(self) -> None:
         try:
-            self._engine = self._build()
+            self._engine = run_on(self._compute, self._build)
         except BaseException as e:  # reported to every waiting and later job
             log.exception("the sampler engine failed to start")
             self.failed = e
@@ -290,14 +295,12 @@ class SamplerEngine:
             return
         self.ready.set()
         while not self._stop.is_set():
-            self._drain()
-            if not self._engine.has_unfinished_requests():
+            if not run_on(self._compute, self._drain, interleave=True):
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
             try:
-                with STEP_SECONDS.time():
-                    outputs = self._engine.step()
+                outputs = run_on(self._compute, self._step, interleave=True)
             except Exception as e:  # an engine failure fails what was in flight, clearly
                 log.exception("sampler step failed")
                 for request_id in list(self._callbacks):
@@ -315,13 +318,18 @@ class SamplerEngine:
                         outcome = EngineError(f"sampling failed: {e}")
                     self._finish(output.request_id, outcome)
 
-    def _drain(self) -> None:
+    def _step(self):
+        with STEP_SECONDS.time():
+            return self._engine.step()
+
+    def _drain(self) -> bool:
+        """Hand the arrived jobs to vLLM; whether it has work to step."""
         self._resume_downloaded()
         while True:
             try:
                 job, on_done = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return self._engine.has_unfinished_requests()
             self._add(job, on_done)
 
     def _fail_queued(self, message: str) -> None:

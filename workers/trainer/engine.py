@@ -10,6 +10,7 @@ begin alike (an RL group's prompt) compute that beginning once (`shared_prefix`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -84,6 +85,9 @@ class TrainerEngine:
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_seq_len = self.model.config.max_position_embeddings
         self.adapters: dict[str, Adapter] = {}
+        # called after each pass of a forward_backward: where a process that runs the sampler on
+        # the same thread lets its steps in (workers/compute_thread.py)
+        self.between_passes: Callable[[], None] | None = None
 
     # --- adapters --------------------------------------------------------------------------------
 
@@ -138,6 +142,8 @@ class TrainerEngine:
                 losses[piece.index] += out.metrics["loss:sum"]
                 for d, lp in zip(piece.datum_ids, out.loss_fn_outputs):
                     logprobs[piece.index][d] = lp
+            if self.between_passes is not None:
+                self.between_passes()
         return [
             ForwardBackwardOutput(loss_fn_outputs=logprobs[p.index], metrics={"loss:sum": losses[p.index]})
             for p in prepared
