@@ -44,7 +44,11 @@ from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 # more than it saves, the more so beside a server's other threads. Forward_backward + optim_step
 # on a thread of a process running vLLM, one thread against two (median of 15): `tiny` (0.14M
 # parameters) at 32 to 1,024 tokens 0.72-0.84x the time; SmolLM2-135M at 8 tokens 0.93x, at 32
-# tokens 1.21x (there two threads win).
+# tokens 1.21x (there two threads win). It still holds with the embedded server's one compute
+# thread (one team, workers/compute_thread.py), though not in a quiet process: its API and
+# scheduler threads keep the other core busy. benchmarks/service_overhead.py on a 2-core VM
+# (2026-12-02), added per SDK call: 10.5-10.7 ms with this rule, 11.8-13.6 ms with two threads
+# for every pass; a lone thread running only `tiny` rounds: two threads 0.84-1.0x the time.
 PARALLEL_MIN_MACS = 2e9
 
 
