@@ -19,6 +19,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from workers.compute_thread import ComputeThread
 from workers.sampler import dense_lora
 from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
@@ -48,28 +49,34 @@ def snapshots(tiny_model_path, tmp_path_factory):
     return {name: str(trainer.save_sampler_weights(name, folder / name)) for name in configs}
 
 
-def start_engine(model_path) -> SamplerEngine:
+def start_engine(model_path, compute: ComputeThread | None = None) -> SamplerEngine:
     """Two adapter slots and two loaded adapters at most: a third snapshot evicts one (LRU)."""
     config = SamplerConfig(model_path, max_model_len=512, max_lora_rank=16, max_loras=2, max_cpu_loras=2,
                            kv_cache_gib=0.25)
-    engine = SamplerEngine(config).start()
+    engine = SamplerEngine(config, compute).start()
     engine.wait_ready(timeout=300)
     return engine
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
-    engine = start_engine(tiny_model_path)
+    compute = ComputeThread()  # vLLM's work on a compute thread of its own, as in the embedded server
+    engine = start_engine(tiny_model_path, compute)
     yield engine
     engine.close()
+    compute.close()
 
 
-def run(engine: SamplerEngine, jobs: list[SampleJob]) -> dict[str, SampleResult | EngineError]:
-    """Submit all jobs at once (so they share the engine's batches) and wait for every result."""
+def run(engine: SamplerEngine, jobs: list[SampleJob],
+        callback_threads: set[str] | None = None) -> dict[str, SampleResult | EngineError]:
+    """Submit all jobs at once (so they share the engine's batches) and wait for every result
+    (`callback_threads`: gets the names of the threads the results arrived on)."""
     results: dict[str, SampleResult | EngineError] = {}
     done = threading.Event()
 
     def on_done(request_id, outcome):
+        if callback_threads is not None:
+            callback_threads.add(threading.current_thread().name)
         results[request_id] = outcome
         if len(results) == len(jobs):
             done.set()
@@ -123,7 +130,10 @@ def test_a_diverged_adapter_is_refused_and_changes_no_one_elses_tokens(engine, s
     next(iter(weights.values()))[0, 0] = float("nan")
     save_file(weights, diverged / "adapter_model.safetensors")
     alone = run(engine, [job("base", None), job("bob", snapshots["bob"])])
-    together = run(engine, [job("nan", str(diverged)), job("base", None), job("bob", snapshots["bob"])])
+    callback_threads: set[str] = set()
+    together = run(engine, [job("nan", str(diverged)), job("base", None), job("bob", snapshots["bob"])],
+                   callback_threads)
+    assert callback_threads == {"sampler-engine"}  # callbacks store outcomes: never on the compute thread
     assert isinstance(together["nan"], EngineError) and together["nan"].category == "user"
     assert "NaN or inf" in str(together["nan"])
     for name in ("base", "bob"):

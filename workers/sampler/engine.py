@@ -143,6 +143,7 @@ class SamplerEngine:
         self._folders: dict[str, Path] = {}  # remote location -> its local copy
         self._next_lora_id = itertools.count(1)  # never reused: vLLM keys loaded adapters by id
         self._engine = None
+        self._unrun_failures: list[tuple[str, EngineError]] = []  # jobs failed while draining, to finish
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -257,10 +258,10 @@ class SamplerEngine:
                 self._folders[location] = result
             for job, on_done in self._downloading.pop(location, []):
                 if result is None:
-                    self._finish(job.request_id, InvalidInputError(
+                    self._fail_unrun(job.request_id, InvalidInputError(
                         "sampling_session_id", f"the snapshot's weights are gone ({location})"))
                 elif isinstance(result, Exception):
-                    self._finish(job.request_id, EngineError(f"sampling failed: downloading the snapshot: {result}"))
+                    self._fail_unrun(job.request_id, EngineError(f"sampling failed: downloading the snapshot: {result}"))
                 else:
                     self._add(job, on_done)
 
@@ -278,11 +279,16 @@ class SamplerEngine:
             self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
                                      vllm_sampling_params(job), lora_request=lora)
         except EngineError as e:
-            self._finish(job.request_id, e)
+            self._fail_unrun(job.request_id, e)
         except Exception as e:  # vLLM rejected the request or the adapter: this job fails alone
             log.warning("sample %s rejected: %s", job.request_id, e)
             self._loras.pop(job.adapter_path or "", None)
-            self._finish(job.request_id, EngineError(f"sampling failed: {e}"))
+            self._fail_unrun(job.request_id, EngineError(f"sampling failed: {e}"))
+
+    def _fail_unrun(self, request_id: str, error: EngineError) -> None:
+        """A job that failed before vLLM ran it; its callback is called on the engine thread (it
+        stores the outcome: no database work on a compute thread)."""
+        self._unrun_failures.append((request_id, error))
 
     def _run(self) -> None:
         try:
@@ -295,7 +301,11 @@ class SamplerEngine:
             return
         self.ready.set()
         while not self._stop.is_set():
-            if not run_on(self._compute, self._drain, interleave=True):
+            has_work = run_on(self._compute, self._drain, interleave=True)
+            failures, self._unrun_failures = self._unrun_failures, []
+            for request_id, error in failures:
+                self._finish(request_id, error)
+            if not has_work:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
