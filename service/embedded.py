@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+import torch
 
 from api.app import create_app
 from db.models import Tenant
@@ -76,7 +77,8 @@ def build(settings: Settings) -> EmbeddedServer:
     sessions = make_session_factory(make_engine(url))
     # the in-process trainer and the sampler share one compute thread (one OpenMP team); a model
     # built on first use (registry) is built there too
-    compute = ComputeThread() if settings.compute_thread else None
+    one_thread = settings.compute_thread if settings.compute_thread is not None else not torch.cuda.is_available()
+    compute = ComputeThread() if one_thread else None
     info = run_on(compute, lambda: model_info(settings.base_model))
     live_dir = settings.live_dir
     if settings.executor == "celery":  # trainer workers elsewhere; live_dir must be on a shared store

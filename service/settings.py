@@ -31,8 +31,9 @@ class Settings(BaseSettings):
     engine_process: bool = False
     # Embedded mode: the trainer's cycles and the sampler's steps take turns on one thread, so libgomp
     # manages one OpenMP team and does not throttle (workers/compute_thread.py). False: each on a
-    # thread of its own, overlapping (for machines with cores to spare for both).
-    compute_thread: bool = True
+    # thread of its own, overlapping (for machines with cores to spare for both). None: on where
+    # there is no CUDA device (on a GPU the two engines' kernels may overlap; not measured there).
+    compute_thread: bool | None = None
     state_write_interval_seconds: float = Field(
         5.0, description="an adapter's durable training state is written at most this often; a crash "
         "replays up to this long of its steps from the database (scheduler/live_state.py)")
