@@ -116,7 +116,7 @@ class InProcessExecutor:
         if self.max_resident:
             idle = [m for m in self._last_seq if m not in model_ids]
             for model_id in idle[: max(0, len(self.engine.adapters) - self.max_resident)]:
-                self.evict(model_id)
+                self._evict(model_id)  # (this cycle holds the lock, maybe on the compute thread)
 
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""

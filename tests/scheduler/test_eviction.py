@@ -4,6 +4,7 @@ gradients included, and reloads them on use: the numbers equal those of a traine
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from loraplex.wire.client import decode_forward_backward_output, encode_forward_
 from scheduler.executor import InProcessExecutor, Job
 from scheduler.ordering import QueuedRequest
 from scheduler.planner import Cycle
+from workers.compute_thread import ComputeThread
 from workers.trainer.engine import TrainerEngine
 
 TOKENS = {"a": list(range(10, 30)), "b": list(range(40, 52)), "c": list(range(60, 90))}
@@ -64,3 +66,20 @@ def test_evicted_adapters_continue_exactly_where_they_stopped(tiny_model_path, t
     moved, idle = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "one", max_resident=1))
     assert idle == 1  # besides the adapters a cycle needs, one stays
     assert moved == kept
+
+
+def test_eviction_inside_a_cycle_on_the_compute_thread(tiny_model_path, tmp_path):
+    """As in the embedded server: the cycle runs on the compute thread while the caller holds the
+    engine's lock; evicting from inside it must not wait for that lock."""
+    kept, _ = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "all"))
+    compute = ComputeThread()
+    executor = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "one", max_resident=1,
+                                 compute=compute)
+    finished: list = []
+    caller = threading.Thread(target=lambda: finished.append(run(executor)), daemon=True)
+    caller.start()
+    caller.join(120)
+    assert finished, "a cycle that evicts never finished (deadlock)"
+    moved, idle = finished[0]
+    assert idle == 1 and moved == kept
+    compute.close()
