@@ -132,20 +132,26 @@ def cpu_seconds(server: psutil.Process) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in processes)
 
 
-BUSY_METRICS = {  # what the driver reads from the server's GET /metrics, per mode
-    "trainer_busy_seconds": "loraplex_cycle_seconds_sum",
-    "trainer_cycles": "loraplex_cycle_seconds_count",
-    "forward_backward_cycles": "loraplex_cycle_tenants_count",
-    "tenants_in_forward_backward_cycles": "loraplex_cycle_tenants_sum",
-    "sampler_busy_seconds": "loraplex_sampler_step_seconds_sum",
-    "sampler_generated_tokens": "loraplex_sampler_generated_tokens_total",
+BUSY_METRICS = {  # what the driver reads from the server's GET /metrics, per mode: (sample, its work label)
+    "trainer_cycle_seconds": ("loraplex_cycle_seconds_sum", None),
+    # with one compute thread (the default on CPU) a cycle's time includes its waits for it
+    "trainer_compute_seconds": ("loraplex_compute_thread_busy_seconds_total", "trainer"),
+    "trainer_cycles": ("loraplex_cycle_seconds_count", None),
+    "forward_backward_cycles": ("loraplex_cycle_tenants_count", None),
+    "tenants_in_forward_backward_cycles": ("loraplex_cycle_tenants_sum", None),
+    "sampler_busy_seconds": ("loraplex_sampler_step_seconds_sum", None),
+    "sampler_generated_tokens": ("loraplex_sampler_generated_tokens_total", None),
 }
 
 
 def busy_counters(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics").text
-    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels}
-    return {key: values.get(name, 0.0) for key, name in BUSY_METRICS.items()}
+    values = {(s.name, s.labels.get("work")): s.value for family in text_string_to_metric_families(text)
+              for s in family.samples}
+    counters = {key: values.get(sample, 0.0) for key, sample in BUSY_METRICS.items()}
+    # the trainer's own time: on the compute thread where there is one, else its cycles' time
+    counters["trainer_busy_seconds"] = counters["trainer_compute_seconds"] or counters["trainer_cycle_seconds"]
+    return counters
 
 
 def compare(base_url: str, new_tenant: Callable[[str], str], base_model: str, runs: list[str], settings: dict,

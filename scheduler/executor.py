@@ -121,7 +121,7 @@ class InProcessExecutor:
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""
         with self._lock:
-            run_on(self._compute, lambda: self._evict(model_id))
+            run_on(self._compute, lambda: self._evict(model_id), work="trainer")
 
     def _evict(self, model_id: str) -> None:
         if model_id not in self.engine.adapters:
@@ -136,7 +136,7 @@ class InProcessExecutor:
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         with self._lock:
-            return run_on(self._compute, lambda: self._run_cycle(cycle, jobs))
+            return run_on(self._compute, lambda: self._run_cycle(cycle, jobs), work="trainer")
 
     def _run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         self._ensure_loaded({r.model_id for r in cycle.all()})

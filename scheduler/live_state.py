@@ -81,7 +81,7 @@ class LiveStates:
             self._closed = True
             if self._timer is not None:
                 self._timer.cancel()
-            run_on(self._compute, lambda: self._capture_due(math.inf))
+            run_on(self._compute, lambda: self._capture_due(math.inf), work="trainer")
         self.writer.close()
 
     def _capture_due(self, now: float) -> float:
@@ -113,4 +113,4 @@ class LiveStates:
                 return
             self._timer, self._timer_due = None, math.inf
             if not self._closed:
-                self._wake_at(run_on(self._compute, lambda: self._capture_due(time.monotonic())))
+                self._wake_at(run_on(self._compute, lambda: self._capture_due(time.monotonic()), work="trainer"))

@@ -91,7 +91,8 @@ def build(settings: Settings) -> EmbeddedServer:
                                    min_shared_prefix=settings.trainer_min_shared_prefix)
     else:
         engine = run_on(compute, lambda: TrainerEngine(info.path, max_rank=settings.max_lora_rank,
-                                                       min_shared_prefix=settings.trainer_min_shared_prefix))
+                                                       min_shared_prefix=settings.trainer_min_shared_prefix),
+                        work="trainer")
         executor = InProcessExecutor(engine, live_dir, settings.max_resident_adapters,
                                      settings.state_write_interval_seconds, compute)
     notifier = Notifier()

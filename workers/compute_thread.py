@@ -12,42 +12,51 @@ overlap gained little anyway, since each slowed the other down by about as much.
 
 Tasks run one at a time in the order they came. A long task (a trainer cycle of several passes)
 lets short `interleave` tasks (the sampler's steps) run at its safe points (`interleave()`), so
-sampling is not held up for a whole cycle.
+sampling is not held up for a whole cycle. `loraplex_compute_thread_busy_seconds{work}` counts the
+thread's time by the work each task names, a long task's without the tasks it let in.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from prometheus_client import Counter
+
 T = TypeVar("T")
+
+BUSY_SECONDS = Counter("loraplex_compute_thread_busy_seconds", "Seconds the compute thread ran tasks, by work",
+                       ["work"])
 
 
 class ComputeThread:
     def __init__(self, name: str = "torch-compute") -> None:
-        self._tasks: deque[tuple[Callable[[], object], Future, bool]] = deque()
+        self._tasks: deque[tuple[Callable[[], object], Future, bool, str]] = deque()
         self._ready = threading.Condition()
         self._closed = False
+        self._interleaved_seconds = 0.0  # time of the tasks run inside others, so far
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def on_it(self) -> bool:
         return threading.current_thread() is self._thread
 
-    def run(self, fn: Callable[[], T], *, interleave: bool = False) -> T:
+    def run(self, fn: Callable[[], T], *, work: str = "other", interleave: bool = False) -> T:
         """`fn()` on the compute thread: its result, or its exception raised here. Called on the
-        compute thread itself, it runs at once. `interleave`: a short task that may run inside a
-        long one, at that one's safe points; it must not wait for anything a long task holds."""
+        compute thread itself, it runs at once (its time counts to the task it is part of).
+        work: the busy-time label ("trainer", "sampler"). `interleave`: a short task that may run
+        inside a long one, at that one's safe points; it must not wait for anything a long task holds."""
         if self.on_it():
             return fn()
         future: Future = Future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the compute thread is closed")
-            self._tasks.append((fn, future, interleave))
+            self._tasks.append((fn, future, interleave, work))
             self._ready.notify()
         return future.result()
 
@@ -59,8 +68,8 @@ class ComputeThread:
             waiting = [task for task in self._tasks if task[2]]
             for task in waiting:
                 self._tasks.remove(task)
-        for task in waiting:
-            self._execute(*task[:2])
+        for fn, future, _, work in waiting:
+            self._interleaved_seconds += self._execute(fn, future, work)
 
     def close(self) -> None:
         """Finish the tasks already queued, then stop the thread."""
@@ -77,19 +86,23 @@ class ComputeThread:
                     self._ready.wait()
                 if not self._tasks:
                     return
-                fn, future, _ = self._tasks.popleft()
-            self._execute(fn, future)
+                fn, future, _, work = self._tasks.popleft()
+            self._execute(fn, future, work)
 
-    @staticmethod
-    def _execute(fn: Callable[[], object], future: Future) -> None:
+    def _execute(self, fn: Callable[[], object], future: Future, work: str) -> float:
+        """Run one task; its wall time (busy time counted without the tasks it let in)."""
         if not future.set_running_or_notify_cancel():
-            return
+            return 0.0
+        start, let_in_before = time.perf_counter(), self._interleaved_seconds
         try:
             future.set_result(fn())
         except BaseException as e:  # handed to the caller, who raises it
             future.set_exception(e)
+        seconds = time.perf_counter() - start
+        BUSY_SECONDS.labels(work).inc(seconds - (self._interleaved_seconds - let_in_before))
+        return seconds
 
 
-def run_on(compute: ComputeThread | None, fn: Callable[[], T], *, interleave: bool = False) -> T:
+def run_on(compute: ComputeThread | None, fn: Callable[[], T], *, work: str = "other", interleave: bool = False) -> T:
     """`fn()` on `compute`, or here when there is none."""
-    return fn() if compute is None else compute.run(fn, interleave=interleave)
+    return fn() if compute is None else compute.run(fn, work=work, interleave=interleave)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from workers.compute_thread import ComputeThread, run_on
 
@@ -29,13 +31,14 @@ def test_a_task_that_asks_for_the_compute_thread_runs_at_once(compute):
     assert run_on(None, lambda: threading.current_thread().name) == threading.current_thread().name
 
 
-def _submit_while(compute: ComputeThread, long_started: threading.Event, **kwargs) -> tuple[list, threading.Thread]:
-    """Submit a task that records that it ran, once the long task has started."""
+def _submit_while(compute: ComputeThread, long_started: threading.Event, task=None,
+                  **kwargs) -> tuple[list, threading.Thread]:
+    """Once the long task has started, submit `task` (default: record the thread it ran on)."""
     ran: list[str] = []
 
     def submit() -> None:
         long_started.wait()
-        compute.run(lambda: ran.append(threading.current_thread().name), **kwargs)
+        compute.run(task or (lambda: ran.append(threading.current_thread().name)), **kwargs)
 
     thread = threading.Thread(target=submit)
     thread.start()
@@ -84,3 +87,23 @@ def test_close_finishes_what_was_queued_and_refuses_more():
     assert ran == ["first", "second"]
     with pytest.raises(RuntimeError, match="closed"):
         compute.run(lambda: None)
+
+
+def busy(work: str) -> float:
+    return REGISTRY.get_sample_value("loraplex_compute_thread_busy_seconds_total", {"work": work}) or 0.0
+
+
+def test_busy_time_is_counted_by_work_and_a_long_task_excludes_what_it_let_in(compute):
+    started = threading.Event()
+    _, step_thread = _submit_while(compute, started, lambda: time.sleep(0.3), work="sampler", interleave=True)
+    trainer_before, sampler_before = busy("trainer"), busy("sampler")
+
+    def long_task() -> None:
+        started.set()
+        _queued(compute, 1)
+        compute.interleave()  # lets the 0.3 s sampler step in
+
+    compute.run(long_task, work="trainer")
+    step_thread.join()
+    assert busy("sampler") - sampler_before >= 0.3
+    assert busy("trainer") - trainer_before < 0.2  # its own time only, not the 0.3 s it let in

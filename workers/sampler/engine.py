@@ -292,7 +292,7 @@ class SamplerEngine:
 
     def _run(self) -> None:
         try:
-            self._engine = run_on(self._compute, self._build)
+            self._engine = run_on(self._compute, self._build, work="sampler")
         except BaseException as e:  # reported to every waiting and later job
             log.exception("the sampler engine failed to start")
             self.failed = e
@@ -301,7 +301,7 @@ class SamplerEngine:
             return
         self.ready.set()
         while not self._stop.is_set():
-            has_work = run_on(self._compute, self._drain, interleave=True)
+            has_work = run_on(self._compute, self._drain, work="sampler", interleave=True)
             failures, self._unrun_failures = self._unrun_failures, []
             for request_id, error in failures:
                 self._finish(request_id, error)
@@ -310,7 +310,7 @@ class SamplerEngine:
                 self._wakeup.clear()
                 continue
             try:
-                outputs = run_on(self._compute, self._step, interleave=True)
+                outputs = run_on(self._compute, self._step, work="sampler", interleave=True)
             except Exception as e:  # an engine failure fails what was in flight, clearly
                 log.exception("sampler step failed")
                 for request_id in list(self._callbacks):
