@@ -94,12 +94,17 @@ class ComputeThread:
         if not future.set_running_or_notify_cancel():
             return 0.0
         start, let_in_before = time.perf_counter(), self._interleaved_seconds
+        result, error = None, None
         try:
-            future.set_result(fn())
+            result = fn()
         except BaseException as e:  # handed to the caller, who raises it
-            future.set_exception(e)
+            error = e
         seconds = time.perf_counter() - start
-        BUSY_SECONDS.labels(work).inc(seconds - (self._interleaved_seconds - let_in_before))
+        BUSY_SECONDS.labels(work).inc(seconds - (self._interleaved_seconds - let_in_before))  # before the caller wakes
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
         return seconds
 
 
