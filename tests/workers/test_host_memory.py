@@ -58,6 +58,8 @@ def test_warm_passes_reuse_freed_memory_without_growing():
     assert not glibc_defaults["tuned"] and tuned["tuned"]
     # glibc's defaults give the logits back to the kernel on free: every pass faults them in again
     assert min(glibc_defaults["faults"][2:]) > 20_000
-    assert statistics.median(tuned["faults"][2:]) < 1_000, tuned["faults"]
+    # (a few thousand, not 0: on these VMs DAMON pages idle memory out, e.g. [1203, 1926, 1351, 6,
+    # 1546, 6] in one CI run)
+    assert statistics.median(tuned["faults"][2:]) < 5_000, tuned["faults"]
     rss = tuned["rss_mb"]
     assert rss[-1] - rss[2] < 100, rss  # the kept memory is reused, not added to
