@@ -36,6 +36,7 @@ from workers.trainer.errors import EngineError, InvalidInputError, UnknownAdapte
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
 from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
+from workers.trainer.pass_losses import pass_losses
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 
@@ -171,13 +172,7 @@ class TrainerEngine:
     def _packed_pass(self, prepared: list[PreparedRequest], batch: PackedBatch, plan: RoutingPlan,
                      needs_grad: bool) -> list[ForwardBackwardOutput]:
         with torch.set_grad_enabled(needs_grad):
-            target_logprobs = self.target_logprobs(batch, plan)
-            outputs, total_loss = [], None
-            for p in prepared:
-                out, loss = self._request_loss(p, batch, target_logprobs)
-                outputs.append(out)
-                if not p.request.forward_only:
-                    total_loss = loss if total_loss is None else total_loss + loss
+            outputs, total_loss = pass_losses(prepared, batch, self.target_logprobs(batch, plan))
         if total_loss is not None:
             total_loss.backward()  # gradients accumulate into each adapter's own .grad
             for adapter, _, _ in plan.spans:
@@ -208,35 +203,6 @@ class TrainerEngine:
         # shared rows serve several datums, each with its own targets: index the flat [T * vocab]
         flat = batch.position_rows.to(self.device)[:, None] * logprobs.shape[1] + targets
         return logprobs.flatten()[flat]
-
-    def _request_loss(self, p: PreparedRequest, batch: PackedBatch, target_logprobs: Tensor):
-        """Loss and per-datum target logprobs of one request, vectorised over its datums.
-
-        Datums with (N,) and (N, K) targets may share a request; each shape is one group."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for d, inputs in enumerate(p.inputs):
-            groups.setdefault(tuple(inputs["target_tokens"].shape[1:]), []).append(d)
-        per_datum: list[Tensor | None] = [None] * len(p.tokens)
-        loss = torch.zeros((), device=self.device)
-        for datums in groups.values():
-            offsets = batch.datum_offsets[p.index]
-            lengths = [p.tokens[d].numel() for d in datums]
-            positions = torch.cat([torch.arange(offsets[d], offsets[d] + n) for d, n in zip(datums, lengths)])
-            positions = positions.to(self.device)
-            inputs = {k: torch.cat([p.inputs[d][k] for d in datums]).to(self.device) for k in p.inputs[datums[0]]}
-            targets = inputs.pop("target_tokens")
-            tlp = target_logprobs[positions, 0] if targets.dim() == 1 else target_logprobs[positions, : targets.shape[1]]
-            datum_index = torch.repeat_interleave(
-                torch.arange(len(datums), device=self.device), torch.tensor(lengths, device=self.device)
-            )
-            loss = loss + p.spec.fn(tlp, inputs, p.config, datum_index, len(datums)).sum()
-            for d, lp in zip(datums, tlp.detach().cpu().split(lengths)):
-                per_datum[d] = lp
-        output = ForwardBackwardOutput(
-            loss_fn_outputs=[{"logprobs": lp} for lp in per_datum],
-            metrics={"loss:sum": float(loss.detach())},
-        )
-        return output, loss
 
     # --- optimizer -------------------------------------------------------------------------------
 

@@ -9,9 +9,11 @@ Clipping and the reported grad_norm stay per adapter.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import clip_grads_with_norm_
 from torch.optim.adamw import adamw
 
 from workers.trainer.adapters import Adapter, AdamParams
@@ -50,16 +52,15 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
     an error; the other adapters step as usual."""
     assert len({id(a) for a, _ in batch}) == len(batch), "an adapter appears twice in one step"
     calls: dict[tuple[float, ...], _FusedCall] = {}
-    grad_norms = []
-    for adapter, adam in batch:
-        # (no forward_backward since the last step: its gradient is zero, as if it had one)
-        grad_norm = get_total_norm([adapter.flat_grads])
-        finite = bool(torch.isfinite(grad_norm))
-        grad_norms.append((grad_norm, finite))
-        if not finite:
+    # every adapter's gradient norm in one call (no forward_backward since the last step: its
+    # gradient is zero, as if it had one)
+    norms = torch._foreach_norm([adapter.flat_grads for adapter, _ in batch])
+    grad_norms = torch.stack(norms).tolist()
+    for (adapter, adam), grad_norm, norm in zip(batch, grad_norms, norms):
+        if not math.isfinite(grad_norm):
             continue
         if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
-            clip_grads_with_norm_([adapter.flat_grads], adam.grad_clip_norm, grad_norm)
+            clip_grads_with_norm_([adapter.flat_grads], adam.grad_clip_norm, norm)
         key = (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay)
         calls.setdefault(key, _FusedCall()).add(adapter)
     with torch.no_grad():
@@ -67,14 +68,15 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
             adamw(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, [], call.steps, fused=True,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                   maximize=False)
+    torch._foreach_zero_([adapter.flat_grads for adapter, _ in batch])
     results: list[dict[str, float] | InvalidInputError] = []
-    for (adapter, adam), (grad_norm, finite) in zip(batch, grad_norms):
-        adapter.zero_grad()
-        if not finite:
+    for (adapter, adam), grad_norm in zip(batch, grad_norms):
+        adapter.gradients_pending = False
+        if not math.isfinite(grad_norm):
             results.append(InvalidInputError(
-                "gradients", f"grad_norm is {float(grad_norm)}: the accumulated gradients hold NaN or inf, so "
+                "gradients", f"grad_norm is {grad_norm}: the accumulated gradients hold NaN or inf, so "
                 "the step was not applied and they were cleared (weights, moments and step count unchanged)"))
             continue
         adapter.step += 1
-        results.append({"grad_norm": float(grad_norm), "learning_rate": adam.learning_rate, "step": float(adapter.step)})
+        results.append({"grad_norm": grad_norm, "learning_rate": adam.learning_rate, "step": float(adapter.step)})
     return results
