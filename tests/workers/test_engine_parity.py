@@ -17,20 +17,31 @@ from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.losses import LOSSES
+from workers.trainer.stacked_adapters import StackedAdapters
 
 TOL = 1e-5
-ADAPTERS = {
-    "r2-attn": LoraConfig(rank=2, alpha=4, seed=1, train_mlp=False, train_unembed=False),
-    "r4-all": LoraConfig(rank=4, alpha=16, seed=2),
-    "r8-mlp-unembed": LoraConfig(rank=8, alpha=8, seed=3, train_attn=False),
+ADAPTER_SETS = {
+    # different ranks and targets: each layer's segments are stacked per call (or looped)
+    "mixed": {
+        "r2-attn": LoraConfig(rank=2, alpha=4, seed=1, train_mlp=False, train_unembed=False),
+        "r4-all": LoraConfig(rank=4, alpha=16, seed=2),
+        "r8-mlp-unembed": LoraConfig(rank=8, alpha=8, seed=3, train_attn=False),
+    },
+    # one layout (rank and targets), different alphas: the pass stacks the adapters once
+    # (workers/trainer/stacked_adapters.py)
+    "one-layout": {
+        "r4-a": LoraConfig(rank=4, alpha=4, seed=1),
+        "r4-b": LoraConfig(rank=4, alpha=16, seed=2),
+        "r4-c": LoraConfig(rank=4, alpha=8, seed=3),
+    },
 }
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=5.0)
 
 
-def make_engine(model_path) -> TrainerEngine:
+def make_engine(model_path, adapters: dict[str, LoraConfig]) -> TrainerEngine:
     engine = TrainerEngine(model_path)
     gen = torch.Generator().manual_seed(123)
-    for adapter_id, cfg in ADAPTERS.items():
+    for adapter_id, cfg in adapters.items():
         adapter = engine.create_adapter(adapter_id, cfg)
         with torch.no_grad():  # B starts at zero; make it non-zero so every gradient is non-trivial
             for w in adapter.weights.values():
@@ -38,11 +49,11 @@ def make_engine(model_path) -> TrainerEngine:
     return engine
 
 
-def requests_for(loss_fn: str, vocab: int, seed: int) -> list[ForwardBackwardInput]:
+def requests_for(loss_fn: str, vocab: int, seed: int, adapters) -> list[ForwardBackwardInput]:
     gen = torch.Generator().manual_seed(seed)
     k = 3 if loss_fn == "cross_entropy" else None
     reqs = []
-    for i, adapter_id in enumerate(ADAPTERS):
+    for i, adapter_id in enumerate(adapters):
         data = [random_datum(loss_fn, n, gen, vocab) for n in (5 + i, 9, 3)]
         if k:  # one (N, K) datum: several targets per position
             data.append(random_datum(loss_fn, 6, gen, vocab, k=k))
@@ -52,12 +63,13 @@ def requests_for(loss_fn: str, vocab: int, seed: int) -> list[ForwardBackwardInp
 
 
 def check_against_peft(engine: TrainerEngine, requests, model_path) -> None:
+    adapters = [r.adapter_id for r in requests]
     results = engine.forward_backward(requests)
     pre_step_grads = {
-        a: {n: p.grad.clone() for n, p in engine.adapter(a).named_parameters()} for a in ADAPTERS
+        a: {n: p.grad.clone() for n, p in engine.adapter(a).named_parameters()} for a in adapters
     }
-    peft_models = {a: peft_model_like(engine.adapter(a), model_path) for a in ADAPTERS}
-    engine.optim_step([(a, ADAM) for a in ADAPTERS])
+    peft_models = {a: peft_model_like(engine.adapter(a), model_path) for a in adapters}
+    engine.optim_step([(a, ADAM) for a in adapters])
 
     for request, result in zip(requests, results):
         adapter = engine.adapter(request.adapter_id)
@@ -89,7 +101,25 @@ def check_against_peft(engine: TrainerEngine, requests, model_path) -> None:
             assert rel_err(w.lora_b.detach(), peft_params[peft_param_name(path, "B")].detach()) <= TOL
 
 
+@pytest.mark.parametrize("adapter_set", sorted(ADAPTER_SETS))
 @pytest.mark.parametrize("loss_fn", sorted(LOSSES))
-def test_batched_matches_single_adapter_peft(loss_fn, tiny_model_path):
-    engine = make_engine(tiny_model_path)
-    check_against_peft(engine, requests_for(loss_fn, engine.vocab_size, seed=7), tiny_model_path)
+def test_batched_matches_single_adapter_peft(loss_fn, adapter_set, tiny_model_path, monkeypatch):
+    stacked_passes = spy_on_stacked_passes(monkeypatch)
+    adapters = ADAPTER_SETS[adapter_set]
+    engine = make_engine(tiny_model_path, adapters)
+    check_against_peft(engine, requests_for(loss_fn, engine.vocab_size, 7, adapters), tiny_model_path)
+    assert stacked_passes == ([True] if adapter_set == "one-layout" else [False])
+
+
+def spy_on_stacked_passes(monkeypatch) -> list[bool]:
+    """Records, for each pass, whether it stacked its adapters."""
+    seen = []
+    for_pass = StackedAdapters.for_pass.__func__
+
+    def recording(cls, *args, **kwargs):
+        stacked = for_pass(cls, *args, **kwargs)
+        seen.append(stacked is not None)
+        return stacked
+
+    monkeypatch.setattr(StackedAdapters, "for_pass", classmethod(recording))
+    return seen

@@ -81,9 +81,15 @@ def forward_(x2, outs, grid: SegmentGrid, scales, lora_as, lora_bs):
     reads the same input (lora_as[i] / lora_bs[i]: layer i's matrices, one per segment).
     Returns what the backward needs."""
     stacked_as = [stack_padded(a, rank_dim=0) for a in lora_as]  # [G, R, in] per layer
-    a_cat = stacked_as[0] if len(stacked_as) == 1 else torch.cat(stacked_as, dim=1)  # [G, layers * R, in]
     stacked_bs = [stack_padded(b, rank_dim=1) for b in lora_bs]  # [G, out_i, R] per layer
     scale = torch.tensor(scales, dtype=x2.dtype).view(-1, 1, 1)
+    return stacked_forward_(x2, outs, grid, scale, stacked_as, stacked_bs)
+
+
+def stacked_forward_(x2, outs, grid: SegmentGrid, scale, stacked_as, stacked_bs):
+    """`forward_` with every layer's matrices already stacked over segments (stacked_as[i]
+    [G, R, in], stacked_bs[i] [G, out_i, R]) and the scales as a [G, 1, 1] tensor."""
+    a_cat = stacked_as[0] if len(stacked_as) == 1 else torch.cat(stacked_as, dim=1)  # [G, layers * R, in]
     x_cells = grid.to_cells(x2)
     # one shrink per layer: one bmm over the layers' concatenated A's rounded differently enough
     # from the loop's matmul to take the batch-invariance test's worst gradient error (tiny model,
@@ -98,17 +104,26 @@ def forward_(x2, outs, grid: SegmentGrid, scales, lora_as, lora_bs):
 def backward_(gs, dx, grid: SegmentGrid, saved, ranks: list[int]):
     """Adds the LoRA part of dX into dx (unless None); returns dA and dB per layer and segment,
     from the output gradients gs[i] [n_rows, out_i]."""
+    stacked_grad_as, stacked_grad_bs = stacked_backward_(gs, dx, grid, saved)
+    grad_as = [[grad_a[s, :r] for s, r in enumerate(ranks)] for grad_a in stacked_grad_as]
+    grad_bs = [[grad_b[s, :, :r] for s, r in enumerate(ranks)] for grad_b in stacked_grad_bs]
+    return grad_as, grad_bs
+
+
+def stacked_backward_(gs, dx, grid: SegmentGrid, saved, grad_as_out=None, grad_bs_out=None):
+    """`backward_` with dA and dB stacked over segments: [G, R, in] and [G, out_i, R] per layer,
+    returned, or written into grad_as_out / grad_bs_out (one tensor of that shape per layer)."""
     x_cells, a_cat, scale, scaled_v, *stacked_bs = saved
     g_cells = [grid.to_cells(g) for g in gs]
     dvs = [torch.bmm(g, b) for g, b in zip(g_cells, stacked_bs)]  # [G, W, R] per layer
     dv = (dvs[0] if len(dvs) == 1 else torch.cat(dvs, dim=2)).mul_(scale)
-    padded_rank = stacked_bs[0].shape[2]
-    grad_a = torch.bmm(dv.transpose(1, 2), x_cells)  # [G, layers * R, in]
-    grad_as = [[grad_a[s, i * padded_rank : i * padded_rank + r] for s, r in enumerate(ranks)] for i in range(len(gs))]
-    grad_bs = []
-    for g, v in zip(g_cells, scaled_v.chunk(len(gs), dim=-1)):
-        grad_b = torch.bmm(g.transpose(1, 2), v)  # [G, out, R]
-        grad_bs.append([grad_b[s, :, :r] for s, r in enumerate(ranks)])
+    if grad_as_out is None:  # one bmm for every layer's dA: [G, layers * R, in]
+        grad_as = torch.bmm(dv.transpose(1, 2), x_cells).chunk(len(gs), dim=1)
+    else:
+        grad_as = [torch.bmm(dv_layer.transpose(1, 2), x_cells, out=out)
+                   for dv_layer, out in zip(dv.chunk(len(gs), dim=2), grad_as_out)]
+    grad_bs = [torch.bmm(g.transpose(1, 2), v, out=out) for g, v, out in  # [G, out, R]
+               zip(g_cells, scaled_v.chunk(len(gs), dim=-1), grad_bs_out or [None] * len(gs))]
     if dx is not None:
         grid.add_bmm_(dx, dv, a_cat)
     return grad_as, grad_bs

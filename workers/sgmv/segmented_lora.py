@@ -167,10 +167,7 @@ class _LoRAGroup(torch.autograd.Function):
         n_b = len(ctx.bases) * len(ctx.bounds)
         x2, lora_bs, extra = ctx.saved_tensors[0], ctx.saved_tensors[1 : 1 + n_b], ctx.saved_tensors[1 + n_b :]
         gs = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
-        dx = None
-        if ctx.needs_input_grad[0]:  # the base layers' part, sum of g_i @ W_i, built in place
-            for g, (weight, _) in zip(gs, ctx.bases):
-                dx = g @ weight if dx is None else dx.addmm_(g, weight)
+        dx = base_input_grad(gs, ctx.bases) if ctx.needs_input_grad[0] else None
         n_a = len(ctx.dests) // 2
         grad_as, grad_bs = _cpu_backward_(ctx.method, x2, gs, dx, ctx.bounds, ctx.scales, extra,
                                           _by_layer(lora_bs, len(ctx.bounds)), ctx.ranks,
@@ -178,6 +175,14 @@ class _LoRAGroup(torch.autograd.Function):
         dx = dx.view(ctx.x_shape) if dx is not None else None
         flat = [g for layer in grad_as for g in layer] + [g for layer in grad_bs for g in layer]
         return (dx, None, None, None, None, None, *_deliver(flat, ctx.dests))
+
+
+def base_input_grad(gs: list[torch.Tensor], bases) -> torch.Tensor:
+    """The frozen base layers' part of dX: the sum of g_i @ W_i, built in place."""
+    dx = None
+    for g, (weight, _) in zip(gs, bases):
+        dx = g @ weight if dx is None else dx.addmm_(g, weight)
+    return dx
 
 
 def _by_layer(flat, n_segments: int) -> list[tuple]:

@@ -11,6 +11,7 @@ applies and clears them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass
 from typing import Iterator
@@ -92,6 +93,9 @@ class Adapter:
         first = getattr(*matrices[0])
         self.flat_weights = torch.empty(sum(s.numel() for s in self._shapes), dtype=first.dtype, device=first.device)
         self.flat_grads = torch.zeros_like(self.flat_weights)
+        # where each module's A and B begin in the flat tensors (stacked_adapters.py reads them)
+        starts = [0, *itertools.accumulate(s.numel() for s in self._shapes)]
+        self.offsets = {path: (starts[2 * i], starts[2 * i + 1]) for i, path in enumerate(weights)}
         for (w, attr), view, grad in zip(matrices, self.views(self.flat_weights), self.views(self.flat_grads)):
             view.copy_(getattr(w, attr).detach())
             setattr(w, attr, nn.Parameter(view))
@@ -105,6 +109,10 @@ class Adapter:
         # AdamW state as torch's fused AdamW takes it: "step" (a float32 scalar), "exp_avg" and
         # "exp_avg_sq" (shaped like flat_weights); empty before the first step
         self.adam_state: dict[str, torch.Tensor] = {}
+
+    def layout(self) -> tuple:
+        """What two adapters' flat tensors must share to be stacked: matrix shapes, in order."""
+        return (tuple(self.weights), tuple(self._shapes), self.flat_weights.dtype, self.flat_weights.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` (shaped like flat_weights) as one view per matrix, in `named_parameters` order."""

@@ -38,6 +38,7 @@ from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
 from workers.trainer.pass_losses import pass_losses
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
+from workers.trainer.stacked_adapters import StackedAdapters
 
 
 # A CPU pass of fewer multiply-adds (rows x base parameters) than this runs on one thread. Its ops
@@ -158,7 +159,8 @@ class TrainerEngine:
         """One packed forward (and backward) over all tokens of `prepared`."""
         batch = pack(prepared, self.min_shared_prefix)
         needs_grad = any(not p.request.forward_only for p in prepared)
-        plan = RoutingPlan([(self.adapters[a], start, end) for a, start, end in batch.adapter_spans])
+        spans = [(self.adapters[a], start, end) for a, start, end in batch.adapter_spans]
+        plan = RoutingPlan(spans, StackedAdapters.for_pass(spans, batch.input_ids.numel(), needs_grad, self.device))
         with intra_op_threads(self.pass_threads(batch.input_ids.numel())):
             return self._packed_pass(prepared, batch, plan, needs_grad)
 
@@ -175,6 +177,8 @@ class TrainerEngine:
             outputs, total_loss = pass_losses(prepared, batch, self.target_logprobs(batch, plan))
         if total_loss is not None:
             total_loss.backward()  # gradients accumulate into each adapter's own .grad
+            if plan.stacked is not None:
+                plan.stacked.add_gradients()
             for adapter, _, _ in plan.spans:
                 adapter.gradients_pending = True
         return outputs

@@ -20,9 +20,11 @@ import torch
 from torch import nn
 
 from workers.sgmv.segmented_lora import Segment, apply_lora_group, apply_segmented_lora
+from workers.sgmv.stacked_lora import apply_stacked_lora_group
 
 if TYPE_CHECKING:
     from workers.trainer.adapters import Adapter
+    from workers.trainer.stacked_adapters import StackedAdapters
 
 # Tinker's LoRA switches -> the module names they cover (same names in Llama, Qwen2 and Qwen3).
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -36,6 +38,8 @@ class RoutingPlan:
     """Token rows [start, end) of the packed batch that go through each adapter."""
 
     spans: list[tuple["Adapter", int, int]]
+    # the spans' adapters stacked for the bmm path (stacked_adapters.py), where the pass takes it
+    stacked: "StackedAdapters | None" = None
     _by_module: dict[str, list[Segment]] = field(default_factory=dict)
 
     def segments_for(self, module_path: str) -> list[Segment]:
@@ -94,6 +98,11 @@ class LayerGroup:
         self.paths, self.layers = paths, layers
 
     def outputs(self, plan: RoutingPlan, x: torch.Tensor, backend: str) -> list[torch.Tensor]:
+        stacked = plan.stacked.layers(self.paths) if plan.stacked is not None and backend in ("auto", "bmm") else None
+        if stacked is not None:
+            bank = plan.stacked
+            return apply_stacked_lora_group(x, self.layers, stacked, bank.grid, bank.scale, bank.weights,
+                                            lambda: bank.backward_done(self.paths))
         segments = [plan.segments_for(path) for path in self.paths]
         if not any(segments):
             return [layer(x) for layer in self.layers]
