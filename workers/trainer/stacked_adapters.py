@@ -26,11 +26,11 @@ from workers.trainer.adapters import Adapter
 
 
 class StackedAdapters:
-    def __init__(self, adapters: list[Adapter], bounds: tuple[tuple[int, int], ...], grid: SegmentGrid,
-                 with_gradients: bool) -> None:
+    def __init__(self, adapters: list[Adapter], grid: SegmentGrid, with_gradients: bool) -> None:
+        """`grid`: the adapters' row segments, in order (adapter i owns segment i)."""
         first = adapters[0]
         self.adapters = adapters
-        self.bounds, self.grid = bounds, grid
+        self.grid = grid
         self.scale = torch.tensor([a.scale for a in adapters], dtype=first.flat_weights.dtype).view(-1, 1, 1)
         # the stacked modules: those before the first vocabulary-wide one, in layout order
         self.paths: list[str] = []
@@ -57,7 +57,7 @@ class StackedAdapters:
         grid = segment_grid(bounds, n_rows)
         if grid.padding(sum(end - start for start, end in bounds)) > MAX_PADDING:
             return None
-        return cls(adapters, bounds, grid, with_gradients)
+        return cls(adapters, grid, with_gradients)
 
     def layers(self, paths: list[str]) -> list[StackedLayer] | None:
         """The stacked matrices of these modules, or None unless every one of them is stacked."""
