@@ -113,3 +113,14 @@ def test_adapters_of_different_layouts_are_not_stacked(tiny_model_path):
     lopsided = [(a, 0, 1), (d, 1, 2), (e, 2, 10)]  # a 3 x 8 grid for 10 rows: the loop is cheaper
     assert StackedAdapters.for_pass(lopsided, 10, True, engine.device) is None
     assert StackedAdapters.for_pass([(a, 0, 4), (d, 4, 8)], 8, True, engine.device) is not None
+
+
+def test_a_module_whose_backward_runs_twice_in_a_pass_is_an_error(tiny_model_path):
+    """The stacked backward writes each module's gradients once per pass; a second write would
+    lose the first, so it fails loudly instead (no supported model calls a layer twice)."""
+    engine = one_layout_engine(tiny_model_path, 2)
+    bank = StackedAdapters.for_pass([(engine.adapter("t0"), 0, 3), (engine.adapter("t1"), 3, 6)], 6, True,
+                                    engine.device)
+    bank.backward_done(bank.paths[:2])
+    with pytest.raises(RuntimeError, match="ran twice"):
+        bank.backward_done(bank.paths[1:3])

@@ -65,6 +65,10 @@ class StackedAdapters:
         return None if any(layer is None for layer in layers) else layers
 
     def backward_done(self, paths: list[str]) -> None:
+        """The backward of these modules wrote their gradients (it writes, not adds: once per pass)."""
+        if self._written.intersection(paths):
+            raise RuntimeError(f"modules {sorted(self._written.intersection(paths))} ran twice in one stacked "
+                               "pass; their first gradients were overwritten")
         self._written.update(paths)
 
     def add_gradients(self) -> None:
