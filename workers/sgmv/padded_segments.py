@@ -66,6 +66,12 @@ def segment_grid(bounds: tuple[tuple[int, int], ...], n_rows: int) -> SegmentGri
     return SegmentGrid(n_rows, len(bounds), padded.cells.shape[1], 0, padded)
 
 
+def paying_grid(bounds: tuple[tuple[int, int], ...], n_rows: int) -> SegmentGrid | None:
+    """The grid of these segments, or None where its padding would cost more than the segment loop."""
+    grid = segment_grid(bounds, n_rows)
+    return grid if grid.padding(sum(end - start for start, end in bounds)) <= MAX_PADDING else None
+
+
 def stack_padded(mats, rank_dim: int) -> torch.Tensor:
     """Stack matrices whose `rank_dim` differs (each adapter has its own rank), zero-padding it."""
     max_rank = max(m.shape[rank_dim] for m in mats)

@@ -89,8 +89,7 @@ def _choose(backend: str, x: torch.Tensor, out_features: int, bounds) -> str:
         return "triton"
     if len(bounds) < 2 or out_features > BMM_MAX_OUT_FEATURES:
         return "loop"
-    grid = segment_grid(bounds, x.numel() // x.shape[-1])
-    return "bmm" if grid.padding(sum(end - start for start, end in bounds)) <= padded_segments.MAX_PADDING else "loop"
+    return "bmm" if padded_segments.paying_grid(bounds, x.numel() // x.shape[-1]) is not None else "loop"
 
 
 class _SegmentedLoRA(torch.autograd.Function):

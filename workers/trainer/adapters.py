@@ -153,5 +153,11 @@ class Adapter:
         return self.gradients_pending
 
     def zero_grad(self) -> None:
-        self.flat_grads.zero_()
-        self.gradients_pending = False
+        Adapter.zero_grads([self])
+
+    @staticmethod
+    def zero_grads(adapters: list[Adapter]) -> None:
+        """Clear these adapters' gradients (one call for all of them)."""
+        torch._foreach_zero_([adapter.flat_grads for adapter in adapters])
+        for adapter in adapters:
+            adapter.gradients_pending = False

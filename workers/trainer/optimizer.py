@@ -68,10 +68,9 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
             adamw(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, [], call.steps, fused=True,
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                   maximize=False)
-    torch._foreach_zero_([adapter.flat_grads for adapter, _ in batch])
+    Adapter.zero_grads([adapter for adapter, _ in batch])
     results: list[dict[str, float] | InvalidInputError] = []
     for (adapter, adam), grad_norm in zip(batch, grad_norms):
-        adapter.gradients_pending = False
         if not math.isfinite(grad_norm):
             results.append(InvalidInputError(
                 "gradients", f"grad_norm is {grad_norm}: the accumulated gradients hold NaN or inf, so "

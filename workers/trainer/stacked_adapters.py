@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.sgmv.padded_segments import MAX_PADDING, SegmentGrid, segment_grid
+from workers.sgmv.padded_segments import SegmentGrid, paying_grid
 from workers.sgmv.segmented_lora import BMM_MAX_OUT_FEATURES
 from workers.sgmv.stacked_lora import StackedLayer
 from workers.trainer.adapters import Adapter
@@ -38,7 +38,7 @@ class StackedAdapters:
             if weights.lora_b.shape[0] > BMM_MAX_OUT_FEATURES:
                 break
             self.paths.append(path)
-        end = first.offsets[self.paths[-1]][1] + first.weights[self.paths[-1]].lora_b.numel() if self.paths else 0
+        end = self._region(self.paths[-1])[1] if self.paths else 0
         self.weights = torch.stack([a.flat_weights[:end] for a in adapters]).requires_grad_(with_gradients)
         self.grads = torch.empty_like(self.weights, requires_grad=False) if with_gradients else None
         self._layers = {path: self._layer(path) for path in self.paths}
@@ -53,11 +53,8 @@ class StackedAdapters:
             return None
         if any(end <= start for _, start, end in spans) or len({a.layout() for a in adapters}) > 1:
             return None
-        bounds = tuple((start, end) for _, start, end in spans)
-        grid = segment_grid(bounds, n_rows)
-        if grid.padding(sum(end - start for start, end in bounds)) > MAX_PADDING:
-            return None
-        return cls(adapters, grid, with_gradients)
+        grid = paying_grid(tuple((start, end) for _, start, end in spans), n_rows)
+        return None if grid is None else cls(adapters, grid, with_gradients)
 
     def layers(self, paths: list[str]) -> list[StackedLayer] | None:
         """The stacked matrices of these modules, or None unless every one of them is stacked."""
@@ -80,11 +77,15 @@ class StackedAdapters:
             torch._foreach_add_([a.flat_grads[:end] for a in self.adapters], list(self.grads.unbind()))
         else:  # a module without a backward left its region unwritten: add the others one by one
             for path in self._written:
-                a_start, b_start = self.adapters[0].offsets[path]
-                end = b_start + self.adapters[0].weights[path].lora_b.numel()
-                torch._foreach_add_([a.flat_grads[a_start:end] for a in self.adapters],
-                                    list(self.grads[:, a_start:end].unbind()))
+                start, end = self._region(path)
+                torch._foreach_add_([a.flat_grads[start:end] for a in self.adapters],
+                                    list(self.grads[:, start:end].unbind()))
         self._written.clear()
+
+    def _region(self, path: str) -> tuple[int, int]:
+        """[start, end) of the module's A and B (adjacent) in the flat layout."""
+        a_start, b_start = self.adapters[0].offsets[path]
+        return a_start, b_start + self.adapters[0].weights[path].lora_b.numel()
 
     def _layer(self, path: str) -> StackedLayer:
         weights = self.adapters[0].weights[path]
