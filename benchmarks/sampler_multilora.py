@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sampler_multilora.py [--model SmolLM2-135M-Instruct] [--dtype bfloat16]
 
 Every run generates `max_tokens` tokens per sequence (EOS ignored) from random-token prompts.
-  mixed       8 adapters x 4 prompts in one engine, Loraplex's LoRA ops (segmented; dense at decode on AMX in bf16);
+  mixed       8 adapters x 4 prompts in one engine, Loraplex's LoRA ops (segmented; dense at decode in bf16 on AMX / AVX512-BF16);
               the process's one OpenMP team, as in the embedded server (workers/compute_thread.py)
   beside      the same beside another thread's OpenMP team, as in an embedded server whose trainer
               has a thread of its own (LORAPLEX_COMPUTE_THREAD=false), with libgomp's defaults

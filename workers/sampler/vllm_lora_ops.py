@@ -6,7 +6,7 @@ last slot, so a base-model request batched with LoRA requests silently gets a te
 This wrapper groups the batch's rows by adapter slot once per step (`workers.sgmv.segment_ops`,
 shared with the trainer) and computes every adapter's shrink in one batched matmul and every
 expand in another, over a layer's merged slices at once (q/k/v, gate/up); rows without an adapter
-get exactly the base model's output. On AMX CPUs in bf16, decode steps (up to
+get exactly the base model's output. On CPUs with AMX or AVX512-BF16, in bf16, decode steps (up to
 `dense_lora.DENSE_MAX_ROWS` rows) take two prepacked dense GEMMs per layer instead
 (`workers.sampler.dense_lora`).
 
@@ -61,7 +61,7 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._slot_ids: tuple = ()
         # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
         self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
-        # decode steps on AMX: per layer the adapters prepacked (dense_lora), and per step the
+        # decode steps (dense_lora.available): per layer the adapters prepacked (dense_lora), and per step the
         # shrink columns each row must not see
         self._dense: dict[int, tuple[tuple, tuple[int, ...], dense_lora.DenseLoRA | None]] = {}
         self._keep_bits: dict[tuple, torch.Tensor] = {}
