@@ -138,3 +138,31 @@ def test_dense_weights_are_reused_while_adapters_finish_and_rebuilt_for_a_lone_o
         built.append((slots, weights))
     assert built[1][1] is built[0][1]  # 2 of its 3 adapters left: the same packed weights
     assert built[2][0] == (SLOT_IDS.index(14),)  # 1 of 3: repacked for that one
+
+
+def test_embedding_lora_adds_only_the_adapters_that_have_one_and_follows_slot_changes():
+    """vLLM runs the embedding's LoRA for every adapter, zeros where it has none; rows of such an
+    adapter (and base rows) are left as they are, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    token_ids = [11, 12, 14, 0] * 4
+    x = torch.randn(len(token_ids), RANK, generator=gen)  # each row's A-embedding (vLLM looks it up)
+    b = torch.zeros(MAX_LORAS, 1, IN, RANK)
+    b[SLOT_IDS.index(12)] = torch.randn(1, IN, RANK, generator=gen)  # only adapter 12 has one
+    y = torch.randn(len(token_ids), IN, generator=gen)
+    expected = y.clone()
+    rows_12 = [r for r, t in enumerate(token_ids) if t == 12]
+    expected[rows_12] += x[rows_12] @ b[SLOT_IDS.index(12), 0].T
+    wrapper = wrapper_for(token_ids)
+
+    wrapper.add_lora_embedding(y, x, b, add_input=True)
+
+    torch.testing.assert_close(y, expected)
+    others = [r for r, t in enumerate(token_ids) if t != 12]
+    assert torch.equal(y[others], expected[others])
+
+    b[SLOT_IDS.index(14)] = torch.randn(1, IN, RANK, generator=gen)  # another adapter put in slot 3
+    new_ids = [11, 12, None, 15]
+    wrapper.update_metadata(LoRAMapping(tuple([15] * 4), tuple([15] * 4), is_prefill=False), new_ids, MAX_LORAS, 1000)
+    y = torch.zeros(4, IN)
+    wrapper.add_lora_embedding(y, x[:4], b, add_input=True)
+    torch.testing.assert_close(y, x[:4] @ b[SLOT_IDS.index(14), 0].T)
