@@ -166,6 +166,8 @@ def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_toke
         ("HF generate + peft, adapter after adapter (tok/s)", f"{tps['hf_peft']:.1f}"),
         ("**mixed LoRA / base** (target >= 0.7)", f"**{tps['mixed'] / tps['base']:.2f}x**"),
         ("**mixed LoRA / HF+peft serial** (target >= 8)", f"**{tps['mixed'] / tps['hf_peft']:.1f}x**"),
+        ("vLLM base / HF+peft serial (what mixed / HF+peft would be if LoRA cost nothing)",
+         f"{tps['base'] / tps['hf_peft']:.1f}x"),
         ("Loraplex's ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
         ("mixed beside another OpenMP team (LORAPLEX_COMPUTE_THREAD=false), libgomp defaults / spin settings (tok/s)",
          f"{tps['beside']:.0f} / {tps['beside_spin']:.0f}"),
