@@ -203,7 +203,7 @@ def dense_and_segmented_tokens(model_path, jobs: list[SampleJob]) -> tuple[dict,
         engine.close()
 
 
-@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no packed bf16 GEMM kernel (AMX or AVX512-BF16) on this CPU")
+@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX or AVX512-BF16 GEMM kernel here")
 def test_dense_decode_path_gives_the_tokens_of_the_segmented_path_in_bf16(tiny_model_path, snapshots):
     jobs = [job(f"{name}-{i}", path) for i in range(2) for name, path in (snapshots | {"base": None}).items()]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:

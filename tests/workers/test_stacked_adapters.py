@@ -47,7 +47,9 @@ def check_each_alone(engine, batch: list[ForwardBackwardInput], calls: int = 1) 
             alone = engine.forward_backward([request])[0]
         torch.testing.assert_close(out.loss_fn_outputs[0]["logprobs"], alone.loss_fn_outputs[0]["logprobs"],
                                    rtol=1e-6, atol=1e-6)
-        assert out.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-6)
+        # a sum over up to 16 tokens of advantage-weighted ratios of logprobs that agree within
+        # 1e-6, with cancellation: an absolute bound (a Zen 5 differed by 2.8e-6 on a sum of -0.67)
+        assert out.metrics["loss:sum"] == pytest.approx(alone.metrics["loss:sum"], rel=1e-6, abs=1e-5)
         assert rel_err(together_grads[request.adapter_id], grads_of(engine, request.adapter_id)) <= 1e-5
 
 

@@ -70,7 +70,7 @@ def test_lora_linear_equals_each_rows_own_adapter(dtype, rows):
     assert torch.equal(y[base_rows], y_before[base_rows])  # bit for bit
 
 
-@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no packed bf16 GEMM kernel (AMX or AVX512-BF16) on this CPU")
+@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX or AVX512-BF16 GEMM kernel here")
 def test_dense_path_is_used_at_decode_sizes_and_isolates_rows_from_a_huge_adapter():
     gen = torch.Generator().manual_seed(3)
     token_ids = token_ids_for(32, gen)
@@ -91,7 +91,7 @@ def test_dense_path_is_used_at_decode_sizes_and_isolates_rows_from_a_huge_adapte
     assert torch.equal(y[base_rows], y_before[base_rows])
 
 
-@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no packed bf16 GEMM kernel (AMX or AVX512-BF16) on this CPU")
+@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX or AVX512-BF16 GEMM kernel here")
 def test_dense_weights_refuse_shapes_the_kernel_cannot_take():
     a = [torch.zeros(MAX_LORAS, 1, RANK, 40, dtype=torch.bfloat16)]  # in_features 40: not a multiple of 32
     b = [torch.zeros(MAX_LORAS, 1, 64, RANK, dtype=torch.bfloat16)]
@@ -121,7 +121,7 @@ def test_lora_logits_equal_each_rows_own_adapter(dtype, rows):
     torch.testing.assert_close(y.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no packed bf16 GEMM kernel (AMX or AVX512-BF16) on this CPU")
+@pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX or AVX512-BF16 GEMM kernel here")
 def test_dense_weights_are_reused_while_adapters_finish_and_rebuilt_for_a_lone_one():
     gen = torch.Generator().manual_seed(5)
     a, b = stacked_weights(torch.bfloat16, gen)

@@ -61,8 +61,8 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._slot_ids: tuple = ()
         # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
         self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
-        # decode steps (dense_lora.available): per layer the adapters prepacked (dense_lora), and per step the
-        # shrink columns each row must not see
+        # decode steps where dense_lora is available: per layer the adapters prepacked, and per
+        # step the shrink columns each row must not see
         self._dense: dict[int, tuple[tuple, tuple[int, ...], dense_lora.DenseLoRA | None]] = {}
         self._keep_bits: dict[tuple, torch.Tensor] = {}
         self._embedding_cache: tuple[tuple | None, frozenset[int]] = (None, frozenset())
