@@ -154,7 +154,7 @@ def test_embedding_lora_adds_only_the_adapters_that_have_one_and_follows_slot_ch
     expected[rows_12] += x[rows_12] @ b[SLOT_IDS.index(12), 0].T
     wrapper = wrapper_for(token_ids)
 
-    wrapper.add_lora_embedding(y, x, b, add_input=True)
+    wrapper.add_lora_embedding(y, x, b, add_inputs=True)
 
     torch.testing.assert_close(y, expected)
     others = [r for r, t in enumerate(token_ids) if t != 12]
@@ -164,5 +164,5 @@ def test_embedding_lora_adds_only_the_adapters_that_have_one_and_follows_slot_ch
     new_ids = [11, 12, None, 15]
     wrapper.update_metadata(LoRAMapping(tuple([15] * 4), tuple([15] * 4), is_prefill=False), new_ids, MAX_LORAS, 1000)
     y = torch.zeros(4, IN)
-    wrapper.add_lora_embedding(y, x[:4], b, add_input=True)
+    wrapper.add_lora_embedding(y, x[:4], b, add_inputs=True)
     torch.testing.assert_close(y, x[:4] @ b[SLOT_IDS.index(14), 0].T)
