@@ -62,4 +62,10 @@ def test_warm_passes_reuse_freed_memory_without_growing():
     # 1546, 6] in one CI run)
     assert statistics.median(tuned["faults"][2:]) < 5_000, tuned["faults"]
     rss = tuned["rss_mb"]
-    assert rss[-1] - rss[2] < 100, rss  # the kept memory is reused, not added to
+    # The kept memory is reused, not added to. Not to the byte: glibc sometimes cannot fit a freed
+    # [256, vocab] fp32 block (48 MB) back in its hole, and the heap takes one more. In 60 passes
+    # it grew by two such blocks by pass 11 and then stayed flat for 49 passes. Over 8 passes, growth
+    # of 62-106 MB was seen, and a bound of 100 MB failed in two CI runs (103 and ~105 MB). A leak
+    # of one block per pass would add five or more blocks here.
+    logits_mb = 256 * 49152 * 4 / 2**20
+    assert rss[-1] - rss[2] < 3 * logits_mb, rss
