@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Callable, Iterator, TypeVar
 
 import sqlalchemy as sa
-from fastapi import Depends, Header, HTTPException, Request
+from fastapi import Depends, Header, HTTPException, Query, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -38,6 +38,11 @@ _KEY_LOOKUP = (
 ApiKeyHeader = Annotated[str | None, Header()]
 
 
+# Page bounds of the list routes: a database cannot count past 2**63 (10**30 gave a 500).
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0, le=2**62)]
+
+
 def db_session(request: Request) -> Iterator[Session]:
     with request.app.state.sessions() as session:
         yield session
@@ -46,16 +51,24 @@ def db_session(request: Request) -> Iterator[Session]:
 DB = Annotated[Session, Depends(db_session)]
 
 
+def tenant_of_key(db: Session, api_key: str | None) -> TenantRef | None:
+    """The tenant of a live key (not revoked, tenant not disabled), or None."""
+    if not api_key:
+        return None
+    row = db.execute(_KEY_LOOKUP, {"key_hash": hash_key(api_key)}).first()
+    return None if row is None or row.disabled else TenantRef(row.id)
+
+
 def authenticate(db: Session, api_key: str | None) -> TenantRef:
     if not api_key:
         raise HTTPException(401, "missing X-API-Key header")
-    row = db.execute(_KEY_LOOKUP, {"key_hash": hash_key(api_key)}).first()
-    if row is None or row.disabled:
+    tenant = tenant_of_key(db, api_key)
+    if tenant is None:
         raise HTTPException(401, "invalid, revoked or disabled API key")
     # End the read transaction: its pooled connection goes back now, not when the request ends
     # (a long-poll would hold it for up to 30 s; a few dozen of them exhausted the pool).
     db.commit()
-    return TenantRef(row.id)
+    return tenant
 
 
 def current_tenant(db: DB, x_api_key: ApiKeyHeader = None) -> TenantRef:

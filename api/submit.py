@@ -1,40 +1,63 @@
 """Accepting a heavy request: store it durably, hand it to the scheduler, answer with its id.
 
 A retry of an already accepted (model_id, seq_id) returns the original request id, so a request
-whose response was lost is never run twice. A request refused at the door (bad input, a hard
-quota) still used up its seq_id on the client: it is recorded as a failed request, so the model's
-later requests do not wait for it forever. A 429 is not recorded: the client retries that seq_id.
+whose response was lost is never run twice. The same holds for a seq_id the scheduler skipped
+because it never arrived (scheduler/service.py): a late arrival gets that skipped request, whose
+future fails saying so; it never runs after the requests that went on without it.
+
+A training request's seq_id must lie in its model's window: after the model's last applied
+seq_id and at most `max_seq_ahead` beyond it. A seq_id far ahead would otherwise wait, and after
+`seq_gap_seconds` make the scheduler skip every real seq_id before it.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Callable
 
 import sqlalchemy as sa
 from fastapi import HTTPException
-from fastapi import Request as HttpRequest
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.quotas import check_concurrency
-from db.models import Request, new_id
+from db.models import Request, TrainingModel, new_id
 from scheduler.ordering import REJECTED, QueuedRequest
 
 
+def seq_window(db: Session, model_id: str) -> tuple[int, int] | None:
+    """The (lowest, highest) seq_id a model accepts now, None for a model that does not exist.
+    Its lowest is one after its last applied: a lower one is a retry, found by its (model_id, seq_id)."""
+    applied = db.scalar(sa.select(TrainingModel.last_applied_seq_id).where(TrainingModel.id == model_id))
+    return None if applied is None else (applied + 1, applied + MAX_SEQ_AHEAD)
+
+
+# The SDK sends one model's requests one at a time, except the chunks of one large
+# forward_backward (at most a few hundred for any batch that fits a quota): 1,024 leaves room.
+MAX_SEQ_AHEAD = 1024
+
+
+def check_seq_id(db: Session, model_id: str, seq_id: int) -> None:
+    window = seq_window(db, model_id)
+    if window is not None and seq_id > window[1]:
+        raise HTTPException(400, f"seq_id: {seq_id} is more than {MAX_SEQ_AHEAD} beyond the model's next "
+                                 f"expected seq_id {window[0]}")
+
+
 def submit(
-    http: HttpRequest, db: Session, *, tenant_id: str, model_id: str | None, seq_id: int | None, kind: str,
+    scheduler, db: Session, *, tenant_id: str, model_id: str | None, seq_id: int | None, kind: str,
     payload: bytes, content_type: str = "application/json", num_tokens: int = 0,
-    request_id: str | None = None, dispatch: Callable[[], None] | None = None,
+    request_id: str | None = None, dispatch: Callable[[], None] | None = None, error: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Store the request and queue it: on the trainer scheduler, or through `dispatch` (samples)."""
+    """Store the request and queue it: on the trainer `scheduler` (anything with
+    `.submit(QueuedRequest)`), or through `dispatch` (samples). A request stored with its `error`
+    (a refusal) runs nothing: the scheduler fails it when its seq_id's turn comes."""
     if kind != REJECTED:
         check_concurrency(db, tenant_id)
+        if dispatch is None and seq_id is not None and seq_id > 0:
+            check_seq_id(db, model_id, seq_id)
     row = Request(
         id=request_id or new_id(), tenant_id=tenant_id, model_id=model_id, seq_id=seq_id, kind=kind, payload=payload,
-        payload_content_type=content_type, num_tokens=num_tokens,
+        payload_content_type=content_type, num_tokens=num_tokens, error=error,
     )
     db.add(row)
     try:
@@ -46,19 +69,5 @@ def submit(
     if dispatch is not None:
         dispatch()
     else:
-        http.app.state.scheduler.submit(QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens))
+        scheduler.submit(QueuedRequest(row.id, tenant_id, model_id, seq_id, kind, num_tokens))
     return {"request_id": row.id, "model_id": model_id}
-
-
-@contextmanager
-def seq_id_used_even_if_refused(http: HttpRequest, db: Session, tenant_id: str, model_id: str, seq_id: int) -> Iterator[None]:
-    """Around the checks of a request of an owned model with a valid seq_id."""
-    try:
-        yield
-    except HTTPException as e:
-        if 400 <= e.status_code < 500 and e.status_code != 429:
-            db.rollback()
-            error = {"error": str(e.detail), "category": "user", "status": e.status_code}
-            submit(http, db, tenant_id=tenant_id, model_id=model_id, seq_id=seq_id, kind=REJECTED,
-                   payload=json.dumps(error).encode())
-        raise

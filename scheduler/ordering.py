@@ -5,9 +5,10 @@ chunks of a large forward_backward go concurrently, first chunk last). Creation 
 a create-via-load) is seq 0. A request is runnable only when every earlier seq_id of its model
 has finished, successfully or not: a failed request never blocks the next one.
 
-A seq_id that never arrives (a request refused before its body was read, e.g. 413 for its
-size, or lost by the client) would hold its model's later requests forever: `stalled` reports
-such gaps once later requests have waited behind them for a while, and the scheduler skips them.
+A request refused at the door still passes its seq_id (api/refusals.py records it). A seq_id that
+never arrives (lost by the client, or refused without a live key) would hold its model's later
+requests forever: `stalled` reports such gaps once later requests have waited behind them for a
+while, and the scheduler applies its gap rule (scheduler/service.py, `_skip_stalled_gaps`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 # with each other, so a run of them can share one engine call.
 BATCHABLE_KINDS = ("forward_backward", "forward")
 # A request refused at the door, or a seq_id that never arrived: it runs nothing, only passes its
-# seq_id, with its recorded error as the outcome (scheduler/executor.py).
+# seq_id, with its recorded error as the outcome (scheduler/service.py).
 REJECTED = "rejected"
 
 

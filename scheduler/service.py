@@ -10,7 +10,6 @@ has not arrived `seq_gap_seconds` after a later one of its model is recorded as 
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -55,6 +54,16 @@ def observe(cycle: Cycle, outcomes: dict[str, Outcome]) -> None:
     for q in cycle.all():
         outcome = outcomes.get(q.id)
         metrics.REQUESTS_FINISHED.labels(q.kind, "ok" if outcome and not outcome.error else "failed").inc()
+
+
+def _failure(message: str) -> dict[str, str]:
+    """A request's stored error, as the Tinker SDK reads it."""
+    return {"error": message, "category": "user"}
+
+
+def _without(cycle: Cycle, ids: dict[str, object]) -> Cycle:
+    return Cycle(**{part: [q for q in getattr(cycle, part) if q.id not in ids]
+                    for part in ("forward_backward", "optim_steps", "others")})
 
 
 def queued(row: Request) -> QueuedRequest:
@@ -153,28 +162,47 @@ class SchedulerService:
                 next_seq = (applied + 1) if applied is not None else request.seq_id
             try:
                 self.buffer.add(request, next_seq=next_seq)
-            except ValueError:
-                log.warning("dropping %s: seq_id %s of %s already ran", request.id, request.seq_id, request.model_id)
+            except ValueError:  # cannot happen while (model_id, seq_id) is unique; never leave a future hanging
+                log.error("seq_id %s of %s already ran: failing %s", request.seq_id, request.model_id, request.id)
+                answers = self._store([request], {request.id: Outcome.failed(
+                    f"seq_id {request.seq_id}: the model is past it already", "user")}, utcnow())
+                self.notifier.notify(request.id, answers[request.id])
 
     def _skip_stalled_gaps(self, s: Session) -> None:
-        """Record each long-missing seq_id as a failed request ("rejected": it only passes its seq_id).
-        If it arrived meanwhile, the unique (model_id, seq_id) keeps the real one: it is in the inbox."""
+        """The rule for a seq_id that never comes (lost on the network, or refused before its body
+        could be read): once a later request of its model has waited `seq_gap_seconds` behind it,
+        every missing seq_id before that request is recorded as failed ("never arrived") at once,
+        and that request fails too, without running: the missing ones may have held gradients or a
+        step it depends on. Requests after it run as usual. A missing request that arrives later
+        finds its seq_id taken (api/submit.py) and gets the failed record: it never runs after
+        requests that went on without it, and its caller is told."""
         for behind in self.buffer.stalled(time.monotonic(), self.seq_gap_seconds):
-            seq = self.buffer.next_seq(behind.model_id)
-            message = (f"seq_id {seq}: never arrived; seq_id {behind.seq_id} waited {self.seq_gap_seconds:g} s "
-                       "behind it (a request refused before it was read, e.g. 413 for its size, leaves such a gap), "
-                       "so it was skipped")
-            row = Request(tenant_id=behind.tenant_id, model_id=behind.model_id, seq_id=seq, kind=REJECTED,
-                          payload=json.dumps({"error": message, "category": "user"}).encode(),
-                          payload_content_type="application/json")
-            s.add(row)
+            first = self.buffer.next_seq(behind.model_id)
+            arrived = set(s.scalars(sa.select(Request.seq_id).where(
+                Request.model_id == behind.model_id, Request.seq_id >= first, Request.seq_id < behind.seq_id)))
+            missing = [seq for seq in range(first, behind.seq_id) if seq not in arrived]
+            if not missing:
+                continue  # they arrived meanwhile and wait in the inbox
+            gap = f"{missing[0]}" if len(missing) == 1 else f"{missing[0]}-{missing[-1]}"
+            rows = [Request(tenant_id=behind.tenant_id, model_id=behind.model_id, seq_id=seq, kind=REJECTED,
+                            payload=b"{}", payload_content_type="application/json", error=_failure(
+                                f"seq_id {seq}: never arrived; seq_id {behind.seq_id} waited {self.seq_gap_seconds:g} s "
+                                "behind it, so it was skipped. Sent now, it is not run: the model's later requests "
+                                "went on without it"))
+                    for seq in missing]
+            s.add_all(rows)
+            s.execute(sa.update(Request).where(Request.id == behind.id).values(error=_failure(
+                f"seq_id {behind.seq_id}: not run, because seq_id {gap} of this model never arrived within "
+                f"{self.seq_gap_seconds:g} s (lost on the way, or refused before its body could be read); it may "
+                "have held gradients or a step this request depends on. Later requests of the model run as usual")))
             try:
                 s.commit()
-            except IntegrityError:
+            except IntegrityError:  # one arrived just now: look again next cycle
                 s.rollback()
                 continue
-            log.warning("%s: %s", behind.model_id, message)
-            self.buffer.add(queued(row))
+            log.warning("%s: seq_id %s never arrived; seq_id %s fails", behind.model_id, gap, behind.seq_id)
+            for row in rows:
+                self.buffer.add(queued(row))
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -191,9 +219,13 @@ class SchedulerService:
                 return False
             requests = cycle.all()
             self.buffer.start(requests)
-            selected = s.execute(sa.select(Request.id, Request.payload).where(Request.id.in_([q.id for q in requests])))
-            payloads = {request_id: payload for request_id, payload in selected}
-            jobs = {q.id: Job(q, payloads[q.id]) for q in requests}
+            selected = s.execute(sa.select(Request.id, Request.payload, Request.error)
+                                 .where(Request.id.in_([q.id for q in requests])))
+            rows = {row.id: row for row in selected}
+            # A request whose failure was recorded before it ran (refused at the door, or behind a
+            # seq_id that never arrived) only passes its seq_id: the executor never sees it.
+            refused = {q.id: Outcome(error=dict(rows[q.id].error)) for q in requests if rows[q.id].error}
+            jobs = {q.id: Job(q, rows[q.id].payload) for q in requests if q.id not in refused}
         moved = self.executor.place({q.model_id for q in requests})
         if moved:  # their worker (or engine process) died: rebuild the gradients it held there, first
             with self.sessions() as s:
@@ -204,7 +236,8 @@ class SchedulerService:
         self.cycle_log.record(cycle)
         try:
             with metrics.CYCLE_SECONDS.time():
-                outcomes = self.executor.run_cycle(cycle, jobs)
+                outcomes = self.executor.run_cycle(_without(cycle, refused), jobs) if jobs else {}
+            outcomes.update(refused)
         except Exception as e:  # the executor should not raise; if it does, fail the cycle clearly
             log.exception("cycle failed")
             outcomes = {q.id: Outcome.failed(f"internal error: {e}", "server") for q in requests}

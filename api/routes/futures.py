@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ApiKeyHeader, TenantRef, in_tenant_session
+from api.public_errors import public_error
 from db.models import Request as RequestRow
 from db.models import RequestState
 from scheduler.notify import Answer
@@ -69,5 +70,8 @@ async def retrieve_future(body: RetrieveFuture, request: Request, x_api_key: Api
             # the scheduler of this process hands over the committed answer; other wake-ups re-read it
             answer = watch.answer or await run_in_threadpool(_reread, request, body.request_id)
     if answer.error is not None:
-        return JSONResponse(answer.error)
+        settings = request.app.state.settings
+        error = dict(answer.error, error=public_error(str(answer.error.get("error", "")), settings.checkpoint_dir,
+                                                      settings.store_root))
+        return JSONResponse(error)
     return Response(answer.result, media_type=answer.content_type)

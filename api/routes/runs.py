@@ -14,7 +14,7 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 from pydantic import BaseModel
 
-from api.deps import DB, CurrentTenant
+from api.deps import DB, CurrentTenant, Limit, Offset
 from api.paths import TinkerPath, checkpoint_root
 from api.lookups import owned_model
 from db.models import Checkpoint, TrainingModel, utcnow
@@ -55,7 +55,7 @@ def run_json(db: DB, run: TrainingModel) -> dict:
 
 
 @router.get("/training_runs")
-def list_runs(tenant: CurrentTenant, db: DB, limit: int = 20, offset: int = 0) -> dict:
+def list_runs(tenant: CurrentTenant, db: DB, limit: Limit = 20, offset: Offset = 0) -> dict:
     where = (TrainingModel.tenant_id == tenant.id, TrainingModel.deleted_at.is_(None))
     total = db.scalar(sa.select(sa.func.count()).select_from(TrainingModel).where(*where))
     runs = db.scalars(sa.select(TrainingModel).where(*where).order_by(TrainingModel.created_at.desc())
@@ -79,13 +79,13 @@ def _checkpoints(db: DB, tenant_id: str, run_id: str | None, limit: int, offset:
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-def list_run_checkpoints(run_id: str, tenant: CurrentTenant, db: DB, limit: int = 100, offset: int = 0) -> dict:
+def list_run_checkpoints(run_id: str, tenant: CurrentTenant, db: DB, limit: Limit = 100, offset: Offset = 0) -> dict:
     owned_model(db, tenant.id, run_id)
     return _checkpoints(db, tenant.id, run_id, limit, offset)
 
 
 @router.get("/checkpoints")
-def list_checkpoints(tenant: CurrentTenant, db: DB, limit: int = 100, offset: int = 0) -> dict:
+def list_checkpoints(tenant: CurrentTenant, db: DB, limit: Limit = 100, offset: Offset = 0) -> dict:
     return _checkpoints(db, tenant.id, None, limit, offset)
 
 

@@ -33,7 +33,7 @@ MAX_TOPK = 20  # vLLM's default max_logprobs
 
 class CreateSamplingSession(BaseModel):
     session_id: str
-    sampling_session_seq_id: int
+    sampling_session_seq_id: int = Field(ge=0, le=2**31 - 1)
     base_model: str | None = None
     model_path: str | None = None
 
@@ -91,28 +91,28 @@ def get_sampler(sampling_session_id: str, tenant: CurrentTenant, db: DB) -> dict
 
 
 class SamplingParamsIn(BaseModel):
-    max_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | list[int] | None = None
     temperature: float = Field(default=1.0, ge=0.0)
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
 class SampleRequestIn(BaseModel):
     prompt: dict[str, Any]
-    num_samples: int = Field(default=1, ge=1)
+    num_samples: int = Field(default=1, ge=1, le=2**31 - 1)
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     sampling_session_id: str | None = None
     base_model: str | None = None  # legacy addressing, without a sampling session
     model_path: str | None = None
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, ge=0, le=2**63 - 1)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
     target_prompt_logprobs: Any = None
     prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = Field(default=None, ge=0)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=2**31 - 1)
     record_stability_info: bool = False
 
 
@@ -141,12 +141,14 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
     """(sampler id or None, snapshot folder or None) of the request."""
     if body.sampling_session_id is not None:
         sampler = owned_sampler(db, tenant_id, body.sampling_session_id)
-        # A deleted checkpoint stops serving, though the engine may still hold it loaded.
-        if sampler.model_path is not None and db.scalar(
-            sa.select(Checkpoint.id).where(Checkpoint.tinker_path == sampler.model_path)
-        ) is None:
-            raise HTTPException(404, f"sampling_session_id: the sampler's weights {sampler.model_path} "
-                                     "are not saved (yet) or were deleted")
+        # Access is checked on every request: a deleted checkpoint stops serving (though the engine
+        # may still hold it loaded), and so does another tenant's checkpoint once it is unpublished.
+        if sampler.model_path is not None:
+            checkpoint = db.execute(sa.select(Checkpoint.tenant_id, Checkpoint.public)
+                                    .where(Checkpoint.tinker_path == sampler.model_path)).first()
+            if checkpoint is None or (checkpoint.tenant_id != tenant_id and not checkpoint.public):
+                raise HTTPException(404, f"sampling_session_id: the sampler's weights {sampler.model_path} "
+                                         "are not saved (yet), were deleted, or are no longer published")
         return sampler.id, sampler.adapter_path
     if body.model_path is not None:
         _, checkpoint = resolve_checkpoint(db, tenant_id, body.model_path, "model_path")
@@ -196,7 +198,7 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         topk_sample_logprobs=body.topk_sample_logprobs,
     )
     seq_id = body.seq_id if sid is not None else None  # (sampler, seq_id) dedupes the client's retries
-    accepted = submit(request, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id, kind=SAMPLE,
+    accepted = submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id, kind=SAMPLE,
                       payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,
                       dispatch=lambda: dispatcher.submit(job))
     prefix = f"{sid or accepted['request_id']}:{seq_id if seq_id is not None else 0}"

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
-from api.deps import DB, CurrentTenant
+from api.deps import DB, CurrentTenant, Limit, Offset
 from api.lookups import owned_session
 from db.models import ClientSession, Sampler, TrainingModel, utcnow
 
@@ -66,7 +66,7 @@ def get_session(session_id: str, tenant: CurrentTenant, db: DB) -> dict:
 
 
 @router.get("/sessions")
-def list_sessions(tenant: CurrentTenant, db: DB, limit: int = 20, offset: int = 0) -> dict:
+def list_sessions(tenant: CurrentTenant, db: DB, limit: Limit = 20, offset: Offset = 0) -> dict:
     ids = db.scalars(
         sa.select(ClientSession.id).where(ClientSession.tenant_id == tenant.id)
         .order_by(ClientSession.created_at.desc()).limit(limit).offset(offset)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
@@ -21,7 +21,7 @@ from api.paths import (
     TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
 )
 from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
-from api.submit import seq_id_used_even_if_refused, submit
+from api.submit import submit
 from db.models import Checkpoint, Sampler, TrainingModel
 from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
 from workers.trainer.adapters import AdamParams, LoraConfig
@@ -31,11 +31,13 @@ from workers.trainer.errors import InvalidInputError
 
 router = APIRouter()
 PROTOBUF = "application/x-protobuf"
+SeqId = Annotated[int, Field(ge=1, le=2**31 - 1)]  # int32 on the wire (tinker_public.proto)
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 class LoraConfigIn(BaseModel):
     rank: int = 32
-    seed: int | None = None
+    seed: Seed | None = None
     alpha: float | None = None
     train_unembed: bool = True
     train_mlp: bool = True
@@ -44,7 +46,7 @@ class LoraConfigIn(BaseModel):
 
 class CreateModel(BaseModel):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: int = Field(ge=0, le=2**31 - 1)
     base_model: str
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
     user_metadata: dict[str, Any] | None = None
@@ -56,7 +58,7 @@ class ModelRef(BaseModel):
 
 class OptimStep(BaseModel):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: SeqId
     adam_params: dict[str, Any] | None = None
     optimizer_params: dict[str, Any] | None = None
     optim_params: dict[str, Any] | None = None
@@ -64,10 +66,10 @@ class OptimStep(BaseModel):
 
 class SaveWeights(BaseModel):
     model_id: str
-    seq_id: int = Field(ge=1)
+    seq_id: SeqId
     path: str | None = None
-    sampling_session_seq_id: int | None = None
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    ttl_seconds: int | None = Field(default=None, ge=1, le=10 * 365 * 86400)
     overwrite: bool = False
 
 
@@ -75,9 +77,9 @@ class LoadWeights(BaseModel):
     path: str
     optimizer: bool = False
     model_id: str | None = None  # legacy: load into an existing model at seq_id
-    seq_id: int | None = None
+    seq_id: SeqId | None = None
     session_id: str | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
-    model_seq_id: int | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
 
 def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
@@ -107,7 +109,7 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
         ))
         db.flush()
     payload = json.dumps({"lora_config": cfg.to_dict()}).encode()
-    return submit(request, db, tenant_id=tenant.id, model_id=mid, seq_id=0, kind="create_model", payload=payload)
+    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=0, kind="create_model", payload=payload)
 
 
 @router.post("/get_info")
@@ -130,8 +132,6 @@ async def forward_backward(request: Request, x_api_key: ApiKeyHeader = None) -> 
 
 def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: Session) -> dict:
     settings, info = request.app.state.settings, request.app.state.model_info
-    if len(body) > settings.max_request_bytes:
-        raise HTTPException(413, f"body: {len(body)} bytes exceed the limit of {settings.max_request_bytes}")
     try:
         proto = decode_body(body, request.headers.get("content-encoding"), max_decompressed_bytes=settings.max_request_bytes)
         wire = decode_forward_backward_request(proto, None)
@@ -145,14 +145,13 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
         dict(wire.loss_fn_config), wire.forward_only,
     )
     num_tokens = sum(len(d.tokens) for d in wire.data)
-    with seq_id_used_even_if_refused(request, db, tenant_id, wire.model_id, wire.seq_id):
-        try:
-            prepare_request(0, engine_request, info.vocab_size, info.max_context)
-        except InvalidInputError as e:
-            raise HTTPException(400, str(e)) from None
-        quotas.check_training_tokens(db, tenant_id, num_tokens)
+    try:
+        prepare_request(0, engine_request, info.vocab_size, info.max_context)
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
+    quotas.check_training_tokens(db, tenant_id, num_tokens)
     return submit(
-        request, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
+        request.app.state.scheduler, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
         kind="forward" if wire.forward_only else "forward_backward", payload=proto,
         content_type=PROTOBUF, num_tokens=num_tokens,
     )
@@ -166,29 +165,22 @@ async def optim_step(body: OptimStep, request: Request, x_api_key: ApiKeyHeader 
 def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db: Session) -> dict:
     check_owned_model(db, tenant.id, body.model_id)
     raw = body.adam_params or body.optimizer_params or body.optim_params or {}
-    with seq_id_used_even_if_refused(request, db, tenant.id, body.model_id, body.seq_id):
-        if raw.get("type", "adamw") not in ("adam", "adamw"):
-            raise HTTPException(400, f"adam_params.type: optimizer {raw['type']!r} is not supported; use AdamW")
-        try:
-            adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
-            adam.validate()
-        except TypeError as e:
-            raise HTTPException(400, f"adam_params: {e}") from None
-        except InvalidInputError as e:
-            raise HTTPException(400, str(e)) from None
+    if raw.get("type", "adamw") not in ("adam", "adamw"):
+        raise HTTPException(400, f"adam_params.type: optimizer {str(raw['type'])[:64]!r} is not supported; use AdamW")
+    try:
+        adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
+        adam.validate()
+    except TypeError as e:
+        raise HTTPException(400, f"adam_params: {e}") from None
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
     payload = json.dumps({"adam_params": adam.__dict__}).encode()
-    return submit(request, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
+    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
                   kind="optim_step", payload=payload)
 
 
 def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str, dir_kind: str) -> dict:
     model = owned_model(db, tenant_id, body.model_id)
-    with seq_id_used_even_if_refused(request, db, tenant_id, model.id, body.seq_id):
-        return _accept_save(request, db, tenant_id, body, kind, dir_kind, model)
-
-
-def _accept_save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str, dir_kind: str,
-                 model: TrainingModel) -> dict:
     quotas.check_storage(db, tenant_id)
     payload: dict[str, Any] = {"kind": "training_state" if dir_kind == "weights" else "sampler",
                                "ttl_seconds": body.ttl_seconds}
@@ -212,7 +204,7 @@ def _accept_save(request: Request, db: DB, tenant_id: str, body: SaveWeights, ki
         db.add(Sampler(id=payload["sampling_session_id"], tenant_id=tenant_id, session_id=model.session_id,
                        base_model=model.base_model, model_path=str(path), adapter_path=folder))
         db.flush()
-    return submit(request, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
+    return submit(request.app.state.scheduler, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
                   payload=json.dumps(payload).encode())
 
 
@@ -251,7 +243,7 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
     else:
         raise HTTPException(400, "session_id and model_seq_id (or model_id and seq_id) are required")
     payload = {"storage_path": checkpoint.storage_path, "optimizer": body.optimizer, "tinker_path": body.path}
-    return submit(request, db, tenant_id=tenant.id, model_id=mid, seq_id=seq, kind="load_weights",
+    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=seq, kind="load_weights",
                   payload=json.dumps(payload).encode())
 
 

@@ -113,8 +113,10 @@ def test_out_of_order_seq_ids_run_in_order_and_retries_dedupe(server):
     assert len(rows) == 2 and rows[1].started_at <= rows[2].started_at
 
 
-def test_a_seq_id_that_never_arrives_is_skipped_after_a_while(server):
-    """E.g. a forward_backward refused with 413 before its body (and seq_id) was read."""
+def test_seq_ids_that_never_arrive_are_skipped_together_and_fail_the_request_behind_them(server):
+    """The gap rule (scheduler/service.py): seq_ids 1-2 never come (lost on the network, say). After the
+    gap timeout both are recorded at once; seq 3, which waited behind them, fails without running
+    (it may depend on them); seq 4 runs. A late seq 2 finds its failed record and never runs."""
     client = tinker.ServiceClient(base_url=server.base_url, api_key=(key := server.new_tenant()))
     model_id = client.create_lora_training_client(base_model="tiny", rank=4, seed=0).result().model_id
     scheduler = server.embedded.scheduler
@@ -122,17 +124,21 @@ def test_a_seq_id_that_never_arrives_is_skipped_after_a_while(server):
     try:
         with http_client(server, key) as http:
             started = time.monotonic()
+            fourth = http.post("/api/v1/forward_backward", content=proto_body(model_id, 4, sft_data(4)), headers=PROTOBUF)
             third = http.post("/api/v1/forward_backward", content=proto_body(model_id, 3, sft_data(3)), headers=PROTOBUF)
-            second = http.post("/api/v1/forward_backward", content=proto_body(model_id, 2, sft_data(2)), headers=PROTOBUF)
-            assert wait_result(http, third.json()["request_id"], timeout=30).status_code == 200
-            assert time.monotonic() - started >= 1.5
-            assert wait_result(http, second.json()["request_id"]).status_code == 200
-            # the missing seq_id 1 failed; if it arrives late, it finds that failure
-            late = http.post("/api/v1/forward_backward", content=proto_body(model_id, 1, sft_data(1)), headers=PROTOBUF)
+            assert wait_result(http, fourth.json()["request_id"], timeout=30).status_code == 200
+            assert 1.5 <= time.monotonic() - started < 1.5 + 10  # one timeout for both missing seq_ids
+            error = wait_result(http, third.json()["request_id"]).json()
+            assert error["category"] == "user" and "seq_id 1-2 of this model never arrived" in error["error"]
+            late = http.post("/api/v1/forward_backward", content=proto_body(model_id, 2, sft_data(2)), headers=PROTOBUF)
             error = wait_result(http, late.json()["request_id"]).json()
-            assert error["category"] == "user" and "seq_id 1: never arrived" in error["error"]
+            assert error["category"] == "user" and "seq_id 2: never arrived" in error["error"]
     finally:
         scheduler.seq_gap_seconds = gap_seconds
+    with server.embedded.sessions() as s:
+        states = dict(s.execute(sa.select(Request.seq_id, Request.state).where(Request.model_id == model_id)).all())
+    assert states == {0: RequestState.DONE, 1: RequestState.FAILED, 2: RequestState.FAILED, 3: RequestState.FAILED,
+                      4: RequestState.DONE}
 
 
 def test_a_request_failing_inside_a_shared_batch_fails_alone(server):
