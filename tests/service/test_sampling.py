@@ -9,6 +9,7 @@ import threading
 import httpx
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 from transformers import AutoTokenizer
 
@@ -227,3 +228,18 @@ def test_overload_answers_429_and_the_accepted_requests_complete(server, api_key
             while result.headers["content-type"].startswith("application/json") and result.json().get("type") == "try_again":
                 result = post(server, api_key, "retrieve_future", {"request_id": r.json()["request_id"]})
             assert result.status_code == 200 and result.headers["content-type"] == "application/x-protobuf"
+
+
+def test_unpublishing_cuts_off_other_tenants_samplers(server, service_client, api_key):
+    """Access is checked on every sample: B's sampler made from A's published snapshot stops when A unpublishes."""
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    path = tc.save_weights_for_sampler("shared").result().path
+    owner = tinker.RestClient(base_url=server.base_url, api_key=api_key)
+    owner.publish_checkpoint_from_tinker_path(path).result()
+    other = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
+    borrowed = other.create_sampling_client(model_path=path).result()
+    assert len(greedy(borrowed)) == GREEDY.max_tokens
+    owner.unpublish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.NotFoundError, match="no longer published"):
+        greedy(borrowed)
+    assert len(greedy(service_client.create_sampling_client(model_path=path).result())) == GREEDY.max_tokens
