@@ -8,6 +8,8 @@ dir) and the distributed one (LORAPLEX_DATABASE_URL=postgresql+psycopg://...) al
     loraplex-admin quotas set alice --max-live-models 4 --train-tokens-per-day 1000000
     loraplex-admin checkpoints prune-expired
     loraplex-admin usage --days 7
+    loraplex-admin models state MODEL_ID           # its stored training state, verified, and what a rebuild uses
+    loraplex-admin models rebuild MODEL_ID         # after "cannot be restored": last verified base + replay
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ tenants_app = typer.Typer(no_args_is_help=True, help="create, list, disable, ena
 keys_app = typer.Typer(no_args_is_help=True, help="issue, list, revoke")
 quotas_app = typer.Typer(no_args_is_help=True, help="set, show")
 checkpoints_app = typer.Typer(no_args_is_help=True, help="list, export, delete, prune-expired")
-for sub, name in ((tenants_app, "tenants"), (keys_app, "keys"), (quotas_app, "quotas"), (checkpoints_app, "checkpoints")):
+models_app = typer.Typer(no_args_is_help=True, help="state, rebuild, reset: a model's stored training state")
+for sub, name in ((tenants_app, "tenants"), (keys_app, "keys"), (quotas_app, "quotas"), (checkpoints_app, "checkpoints"),
+                  (models_app, "models")):
     app.add_typer(sub, name=name)
-console = Console()
+console = Console(emoji=False)  # else ":train:" in model ids prints as an emoji
 _state: dict = {}
 
 
@@ -46,14 +50,18 @@ def main(
     _state["settings"] = Settings(**overrides)
 
 
-def session() -> Session:
+def sessions():
     from db.session import make_engine, make_session_factory, upgrade_to_head
 
     settings: Settings = _state["settings"]
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
     upgrade_to_head(url)
-    return make_session_factory(make_engine(url))()
+    return make_session_factory(make_engine(url))
+
+
+def session() -> Session:
+    return sessions()()
 
 
 def tenant_named(s: Session, name: str) -> Tenant:
@@ -235,32 +243,124 @@ def checkpoints_export(tinker_path: str, dest: Path) -> None:
     console.print(f"{tinker_path} -> {dest}")
 
 
-def _delete(s: Session, row: Checkpoint) -> None:
-    from api.paths import checkpoint_root
-
-    from workers import store
-
-    store.delete(checkpoint_root(row.storage_path, row.kind))
-    s.delete(row)
-
-
 @checkpoints_app.command("delete")
 def checkpoints_delete(tinker_path: str) -> None:
+    from scheduler.janitor import delete_checkpoint
+
     with session() as s:
-        _delete(s, _checkpoint(s, tinker_path))
+        delete_checkpoint(s, _checkpoint(s, tinker_path))
         s.commit()
     console.print(f"{tinker_path} deleted")
 
 
 @checkpoints_app.command("prune-expired")
 def checkpoints_prune_expired() -> None:
-    """Delete every checkpoint whose TTL has passed (files and record)."""
+    """Delete every checkpoint whose TTL has passed, and ephemeral sampler snapshots that are
+    superseded and unused (what the server's janitor does every minute: scheduler/janitor.py)."""
+    from scheduler.janitor import sweep
+
+    expired, ephemeral = sweep(sessions(), _state["settings"].ephemeral_snapshot_grace_seconds)
+    console.print(f"{expired} expired checkpoints and {ephemeral} ephemeral snapshots deleted")
+
+
+# --- models: their stored training state ---------------------------------------------------------
+
+
+def _live_model(s: Session, model_id: str) -> TrainingModel:
+    model = s.get(TrainingModel, model_id)
+    if model is None or model.deleted_at is not None:
+        raise typer.BadParameter(f"no live model {model_id!r}", param_hint="MODEL_ID")
+    return model
+
+
+def _engine(model: TrainingModel):
+    """A trainer engine on the model's base model, set up as the server's (this process replays on it)."""
+    from workers.models.registry import model_info
+    from workers.trainer.engine import TrainerEngine
+
+    settings: Settings = _state["settings"]
+    return TrainerEngine(model_info(model.base_model).path, max_rank=max(settings.max_lora_rank, model.lora_config["rank"]),
+                         min_shared_prefix=settings.trainer_min_shared_prefix)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]{message}[/red]", highlight=False)
+    raise typer.Exit(1)
+
+
+@models_app.command("state")
+def models_state(model_id: str) -> None:
+    """The model's stored training states (verified, or what is wrong) and the bases a rebuild could use."""
+    from admin.model_state import bases
+    from scheduler.live_state import read_slots
+    from workers.trainer.checkpoints import CheckpointError, verify_training_state
+
+    settings: Settings = _state["settings"]
     with session() as s:
-        expired = s.scalars(sa.select(Checkpoint).where(Checkpoint.expires_at <= utcnow())).all()
-        for row in expired:
-            _delete(s, row)
-        s.commit()
-    console.print(f"{len(expired)} expired checkpoints deleted")
+        model = _live_model(s, model_id)
+        rows = []
+        for slot in read_slots(settings.live_dir, model.id):
+            try:
+                verify_training_state(slot.path)
+                check = "verified"
+            except CheckpointError as e:
+                check = str(e)
+            m = slot.manifest or {}
+            rows.append([slot.label, slot.path, slot.seq if m else None, m.get("step"), slot.lineage, check])
+        show(f"stored training state of {model.id} (last applied seq_id {model.last_applied_seq_id})",
+             ["slot", "location", "after seq_id", "step", "history from seq_id", "check"], rows)
+        show("bases a rebuild could start from (latest first)", ["base", "replays after seq_id", "usable"],
+             [[b.what, b.seq, b.problem or "yes"] for b in bases(s, model, settings.live_dir)])
+
+
+@models_app.command("rebuild")
+def models_rebuild(model_id: str) -> None:
+    """Rebuild the model's stored state from its latest verified base (a stored state, one of its
+    training-state checkpoints, or its create_model / load_weights) and the requests after it."""
+    from admin.model_state import bases, rebuild
+
+    settings: Settings = _state["settings"]
+    factory = sessions()
+    with factory() as s:
+        model = _live_model(s, model_id)
+        found = bases(s, model, settings.live_dir)
+        usable = [b for b in found if b.problem is None]
+        if not usable:
+            _fail(f"{model_id}: nothing to rebuild from: " + ("; ".join(f"{b.what}: {b.problem}" for b in found)
+                                                            or "no create_model or load_weights of it finished"))
+        base = usable[0]
+        console.print(f"{model_id}: rebuilding from {base.what}, replaying its requests after seq_id {base.seq} "
+                      f"up to {model.last_applied_seq_id}", highlight=False)
+        try:
+            replayed = rebuild(s, factory, model, settings, base, _engine(model))
+        except RuntimeError as e:
+            _fail(f"{model_id}: {e}")
+    console.print(f"{model_id}: rebuilt ({replayed} request{'' if replayed == 1 else 's'} replayed); its stored state after seq_id "
+                  f"{model.last_applied_seq_id} is written and verified", highlight=False)
+
+
+@models_app.command("reset")
+def models_reset(model_id: str, tinker_path: str,
+                 yes: bool = typer.Option(False, "--yes", help="do not ask for confirmation")) -> None:
+    """Make a training-state checkpoint (TINKER_PATH, of the same tenant) the model's state from now on.
+    The requests after that checkpoint stay answered, but their effect on the weights is dropped."""
+    from admin.model_state import reset
+
+    with session() as s:
+        model = _live_model(s, model_id)
+        row = _checkpoint(s, tinker_path)
+        if row.tenant_id != model.tenant_id or row.kind != "training_state":
+            raise typer.BadParameter(f"{tinker_path!r} is not a training-state checkpoint of this model's tenant",
+                                     param_hint="TINKER_PATH")
+        if not yes:
+            typer.confirm(f"{model_id} continues from {tinker_path}; the effect of its requests after that "
+                          "checkpoint on the weights is dropped. Go on?", abort=True)
+        try:
+            reset(model, _state["settings"], row, _engine(model))
+        except RuntimeError as e:
+            _fail(f"{model_id}: {e}")
+    console.print(f"{model_id}: its stored state is now {tinker_path} (after seq_id {model.last_applied_seq_id})",
+                  highlight=False)
 
 
 # --- usage ---------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.public_errors import public_error
 from api.request_guard import RequestGuard
-from api.routes import futures, runs, sampling, service, sessions, training
+from api.routes import futures, runs, sampling, service, sessions, tokenizers, training, unsupported
 
 log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 500  # an error names the field and the problem; it never echoes the input
@@ -30,7 +31,7 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.sampling = sampling_dispatcher
     app.state.sampling_unavailable = sampling_unavailable
     app.state.served_names = served_names(model_info.name)
-    for module in (service, sessions, training, futures, sampling, runs):
+    for module in (service, sessions, training, futures, sampling, runs, unsupported, tokenizers):
         app.include_router(module.router, prefix="/api/v1")
 
     @app.get("/metrics", include_in_schema=False)
@@ -50,15 +51,21 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
     input, which made a 60 MB body a 377 MB answer and a NaN in it a 500 (JSON cannot hold NaN)."""
     problems = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":  # its loc is (body, character position)
+            problems.append(f"body: not valid JSON at character {error['loc'][-1]}")
+            continue
         where = [str(part)[:64] for part in error.get("loc", ()) if part != "body"]
         problems.append(f"{'.'.join(where) or 'body'}: {error.get('msg', 'invalid')}")
     return JSONResponse(status_code=422, content={"detail": "; ".join(problems)[:MAX_ERROR_CHARS]})
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """A refusal raised by a route (or 404/405 from routing), its text shortened: a detail may quote an id."""
-    return JSONResponse(status_code=exc.status_code, content={"detail": str(exc.detail)[:MAX_ERROR_CHARS]},
-                        headers=getattr(exc, "headers", None))
+    """A refusal raised by a route (or 404/405 from routing): shortened (a detail may quote an id) and
+    with store locations shown as tinker:// paths (api/public_errors.py)."""
+    headers = getattr(exc, "headers", None)
+    settings = request.app.state.settings
+    detail = public_error(str(exc.detail), settings.checkpoint_dir, settings.store_root)
+    return JSONResponse(status_code=exc.status_code, content={"detail": detail[:MAX_ERROR_CHARS]}, headers=headers)
 
 
 async def server_error(request: Request, exc: Exception) -> JSONResponse:

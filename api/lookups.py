@@ -41,10 +41,16 @@ def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:
     return row
 
 
-def served_model(request: Request, base_model: str) -> None:
+def served_model(request: Request, base_model: str) -> str:
+    """The served model's hub id if `base_model` names it (by hub id or an alias); 400 otherwise."""
+    from workers.models.registry import hub_id, names_of
+
     info = request.app.state.model_info
-    if base_model not in request.app.state.served_names:
-        raise HTTPException(400, f"base_model: {base_model!r} is not served here; served: [{info.name!r}]")
+    if base_model not in request.app.state.served_names and hub_id(base_model) != info.name:
+        names = names_of(info.name)
+        also = f" (also named {', '.join(map(repr, names[1:]))})" if names[1:] else ""
+        raise HTTPException(400, f"base_model: {base_model[:200]!r} is not served here; served: {info.name!r}{also}")
+    return info.name
 
 
 def resolve_checkpoint(db: Session, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:

@@ -56,8 +56,3 @@ def storage_path(checkpoint_dir: str, tenant_id: str, path: TinkerPath) -> str:
 def snapshot_folder(checkpoint_folder: str, seq_id: int) -> str:
     """One version of a sampler checkpoint: <checkpoint folder>/seq-<the save's seq_id>."""
     return store.join(checkpoint_folder, f"seq-{seq_id}")
-
-
-def checkpoint_root(storage_path: str, kind: str) -> str:
-    """The folder holding every file of a checkpoint (all versions, for sampler weights)."""
-    return store.parent(storage_path) if kind == "sampler" else storage_path

@@ -220,3 +220,23 @@ class Checkpoint(Base):
     public: Mapped[bool] = mapped_column(default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]  # TTL; None keeps it until deleted
+    user_metadata: Mapped[dict[str, Any] | None] = _json(nullable=True)  # as the save request carried it
+    # An unnamed sampler snapshot: deleted once superseded and unused (scheduler/janitor.py)
+    ephemeral: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
+
+
+class RecordedSequence(Base):
+    """A sequence sampled with record_stability_info: what stable_reinforce trains it against
+    (scheduler/stability.py). Kept one day after sampling or after its last use in training."""
+
+    __tablename__ = "recorded_sequences"
+
+    id: Mapped[str] = mapped_column(primary_key=True)  # the sequence_id asample answered with
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
+    sampler_id: Mapped[str | None]  # None: sampled by legacy addressing, without a sampling session
+    policy_version: Mapped[int | None]  # optimizer steps of the sampled snapshot; None: the base model
+    prompt_tokens: Mapped[bytes] = mapped_column(sa.LargeBinary)  # int32 little-endian
+    tokens: Mapped[bytes] = mapped_column(sa.LargeBinary)  # int32 little-endian, the sampled tokens
+    logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # float32 little-endian, the sampler's, one per token
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)  # pruning scans it

@@ -16,6 +16,12 @@ the dead worker held for finished forward_backward requests died with it: when o
 is next used, `place` moves it to a live worker and reports it, and the scheduler replays those
 requests there first; the new worker loads the adapter's durable state (written after every
 optim_step) before, so acknowledged work is neither lost nor applied twice.
+
+A request run in parts (scheduler/planner.py) keeps its model on one worker until its last part:
+the worker holds the parts run so far (gradients and results), and answers a part it already ran
+from there when a restarted scheduler sends it again (scheduler/executor.py), so a scheduler
+restart neither repeats nor loses a part. If that worker dies, the scheduler runs the request
+from its first datum again on the model's new worker, after replaying what came before.
 """
 
 from __future__ import annotations
@@ -29,8 +35,7 @@ from pathlib import Path
 from scheduler.executor import Job, Outcome
 from scheduler.planner import Cycle
 from workers.celery_app import EVICT_TASK, RESULT_TTL_SECONDS, TASK, live_registrations, make_app, worker_key
-from workers import store
-from workers.trainer.checkpoints import read_manifest
+from scheduler.live_state import newest_verified, read_slots
 
 PLACEMENT = "loraplex:placement"  # Redis hash: model id -> worker id
 
@@ -48,6 +53,7 @@ class CeleryExecutor:
         self.base_model = base_model
         self.live_dir = str(live_dir)
         self.wait_for_worker_seconds = wait_for_worker_seconds
+        self._splitting: set[str] = set()  # models halfway through a request run in parts, as the outcomes said
 
     engines_restart_with_scheduler = False  # workers keep their state when the scheduler restarts
 
@@ -76,6 +82,9 @@ class CeleryExecutor:
             return set()  # run_cycle fails the cycle clearly
         placed = self.placement()
         load = Counter(w for w in placed.values() if w in workers)  # models per live worker
+        # Halfway through a request run in parts, a model stays: its worker holds those parts' gradients
+        # and results, which a move would not carry. The workers' own word covers a restarted scheduler.
+        splitting = self._splitting | {m for w in workers.values() for m in w.get("splitting", ())}
         lost = set()
         for model_id in sorted(model_ids):
             current = placed.get(model_id)
@@ -83,9 +92,11 @@ class CeleryExecutor:
             if current not in workers:
                 if current is not None:
                     lost.add(model_id)
-            elif load[current] - load[least] >= 2:
+            elif load[current] - load[least] >= 2 and model_id not in splitting:
                 try:
                     self.move(model_id, least, workers)
+                    if not self._newest_state_verifies(model_id):  # the new worker would load an older one
+                        lost.add(model_id)
                 except WorkerLost:
                     lost.add(model_id)  # it died while writing the state out: replay, as for any lost worker
             else:
@@ -111,9 +122,19 @@ class CeleryExecutor:
 
     # --- the executor interface ------------------------------------------------------------------
 
-    def durable_seq(self, model_id: str) -> int | None:
-        manifest = read_manifest(store.join(self.live_dir, model_id))  # the shared store: no worker needed
-        return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
+    def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
+        """The seq_id of the model's newest stored state that verifies (the shared store: no worker needed),
+        which is the one a worker loads. (`at_most` is not applied here: a worker restores its newest state;
+        see the limits in docs/operations.md.)"""
+        slot, _ = newest_verified(self.live_dir, model_id)
+        return None if slot is None else slot.seq
+
+    def _newest_state_verifies(self, model_id: str) -> bool:
+        """Whether the model's newest stored state is intact (else a worker restores an older one and the
+        requests after it must be replayed: scheduler/live_state.py)."""
+        slot, _ = newest_verified(self.live_dir, model_id)
+        stored = [s for s in read_slots(self.live_dir, model_id) if s.manifest is not None]
+        return slot is None or not stored or slot.path == stored[0].path
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         try:
@@ -139,6 +160,11 @@ class CeleryExecutor:
                 outcomes.update(self._collect(worker, key, result))
             except WorkerLost as e:  # its models move (and replay) when next used
                 outcomes.update({q.id: Outcome.failed(f"trainer worker lost: {e}", "server") for q in parts[worker].all()})
+        for q in cycle.forward_backward:
+            if (outcome := outcomes.get(q.id)) is not None and outcome.progress is not None:
+                self._splitting.add(q.model_id)
+            else:
+                self._splitting.discard(q.model_id)
         return outcomes
 
     def _send(self, worker: dict, task: str, data):

@@ -8,17 +8,28 @@ operations a JSON body the API already validated and resolved (checkpoint paths,
 Durability: each adapter's training state is kept in `live_dir` (a folder of the checkpoint store:
 a local path or an fsspec URL, workers/store.py), when and how scheduler/live_state.py says. After
 a restart an adapter is reloaded from there, and the forward_backward and optim_step requests it
-had finished since (their effects were only in memory) are replayed by the scheduler.
+had finished since (their effects were only in memory) are replayed by the scheduler. A stored
+state that fails its integrity check is passed over for the previous one, and `place` reports the
+model so that the scheduler replays the requests after that one first; a model with no usable
+state left fails its requests alone, with a message saying what was found and what to do.
 
 Eviction (to make room, or to move the adapter to another worker) writes the adapter's full state,
 accumulated gradients included, marked with the last seq_id it ran, then drops it from memory:
 whoever loads it next continues exactly where it stopped, with nothing to replay.
+
+A request larger than a cycle comes in parts (`Job.part`, scheduler/planner.py): the executor
+validates it whole at its first part, runs each part with passes of its own, keeps the parts'
+results and answers `Outcome.progress` until the last part, which answers the merged result
+(workers/trainer/parts.py). What ran stays with the engine that ran it, so a part sent again (the
+scheduler restarted, but this engine did not: a Celery worker) is answered from there, never run
+twice; a model halfway through such a request is never evicted or moved (`splitting`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,20 +38,22 @@ from typing import Any
 
 from loraplex.wire.codec import decode_forward_backward_request, encode_forward_backward_output
 from scheduler.ordering import REJECTED, QueuedRequest
-from scheduler.planner import Cycle
-from scheduler.live_state import LiveStates
+from scheduler.planner import Cycle, Part
+from scheduler.live_state import LiveStateError, LiveStates
 from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers.trainer.batch import Datum, ForwardBackwardInput, ForwardBackwardOutput
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.trainer.checkpoints import read_manifest
+from workers.trainer.checkpoints import CheckpointError
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import EngineError
+from workers.trainer.errors import EngineError, InvalidInputError
+from workers.trainer.parts import PartProgress, SplitRun
 
 log = logging.getLogger(__name__)
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
+REPLACES_STATE = ("create_model", "load_weights", REJECTED)  # kinds that run without the model's stored state
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class Outcome:
     content_type: str | None = None
     error: dict[str, str] | None = None  # {"error": message, "category": "user" | "server"}
     checkpoint: dict[str, Any] | None = field(default=None)  # a checkpoint written, for the scheduler to record
+    # a part of a request run in parts went well and more remain: how far it has got (no result yet)
+    progress: PartProgress | None = None
 
     @classmethod
     def json(cls, value: dict[str, Any], checkpoint: dict[str, Any] | None = None) -> "Outcome":
@@ -65,6 +80,12 @@ class Job:
 
     request: QueuedRequest
     payload: bytes
+    part: Part | None = None  # a forward/forward_backward run in parts: which part (workers/trainer/parts.py)
+
+
+def encoded(result: ForwardBackwardOutput) -> Outcome:
+    outputs = [{k: v.numpy() for k, v in o.items()} for o in result.loss_fn_outputs]
+    return Outcome(encode_forward_backward_output(outputs, result.metrics), PROTOBUF)
 
 
 def engine_input(job: Job) -> ForwardBackwardInput:
@@ -90,6 +111,9 @@ class InProcessExecutor:
         self.engine = engine
         self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
+        # model -> its forward/forward_backward run here in parts (one at most: the model runs nothing
+        # else meanwhile), kept once complete until the model's next request, for a resent part's answer
+        self._splits: dict[str, SplitRun] = {}
         self._lock = threading.RLock()  # the engine's: held while a cycle or an eviction runs
         self._compute = compute
         if compute is not None:
@@ -101,22 +125,70 @@ class InProcessExecutor:
         self.live.close()
 
     def place(self, model_ids: set[str]) -> set[str]:
-        """The models whose engine died since they last ran (never, in this process)."""
-        return set()
+        """Load the models that are not in memory; those whose newest stored state failed its integrity
+        check and were restored from an older one: the scheduler replays their requests after it
+        (`durable_seq`) before they run again. (No engine dies in this process.)"""
+        if all(m in self.engine.adapters for m in model_ids):  # the usual case: no lock, no hop
+            return set()
+        with self._lock:
+            return run_on(self._compute, lambda: self._restore_behind(model_ids), work="trainer")
+
+    def _restore_behind(self, model_ids: set[str]) -> set[str]:
+        behind = set()
+        for model_id in sorted(model_ids - set(self.engine.adapters)):
+            try:
+                restored = self.live.restore(model_id)
+            except LiveStateError:
+                continue  # its requests fail in run_cycle, saying why
+            if restored is not None and restored.behind:
+                log.warning("%s: restored from its state after seq_id %d (%s); replaying the requests after it",
+                            model_id, restored.seq, "; ".join(restored.problems) or "newer state not found")
+                self.live.restart_from(model_id, restored.seq)
+                behind.add(model_id)
+        return behind
 
     # --- durability ------------------------------------------------------------------------------
 
-    def durable_seq(self, model_id: str) -> int | None:
-        return self.live.durable_seq(model_id)
+    def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
+        return self.live.durable_seq(model_id, at_most)
 
-    def _ensure_loaded(self, model_ids: set[str]) -> None:
-        for model_id in model_ids:
-            if model_id not in self.engine.adapters and read_manifest(self.live.path(model_id)) is not None:
-                self.engine.load_state(model_id, self.live.path(model_id))
+    def _restore_states(self, cycle: Cycle) -> tuple[Cycle, dict[str, Outcome]]:
+        """Load the cycle's models that are not in memory from their stored state. A model whose state
+        cannot be restored, or only from an older state than it reached (the requests after that one
+        must be replayed first: `place` has the scheduler do it), fails this cycle's requests alone:
+        the cycle without them, and their outcomes."""
+        unavailable: dict[str, Outcome] = {}
+        for model_id in sorted({q.model_id for q in cycle.all() if q.kind not in REPLACES_STATE}):
+            if model_id in self.engine.adapters:
+                continue
+            try:
+                restored = self.live.restore(model_id)
+            except LiveStateError as e:
+                log.error("%s", e)
+                unavailable[model_id] = Outcome.failed(str(e), e.category)
+                continue
+            if restored is None:
+                unavailable[model_id] = Outcome.failed(
+                    f"adapter_id: model {model_id} has no training state on this server: its create_model or "
+                    f"load_weights failed, or its stored state was lost (an operator can rebuild it: "
+                    f"`loraplex-admin models rebuild {model_id}`)", "user")
+            elif restored.behind:
+                self.engine.delete_adapter(model_id)  # restored again, and replayed onto, before it runs
+                unavailable[model_id] = Outcome.failed(
+                    f"not run: the stored training state of model {model_id} was restored from an older copy "
+                    f"(after seq_id {restored.seq}; {'; '.join(restored.problems) or 'the newer one was not found'}) "
+                    f"and the requests after it must be replayed onto it first; send the request again", "server")
         if self.max_resident:
-            idle = [m for m in self._last_seq if m not in model_ids]
+            model_ids = {q.model_id for q in cycle.all()}
+            # a model halfway through a request run in parts holds part of its gradient: it stays
+            idle = [m for m in self._last_seq if m not in model_ids and m not in self.splitting()]
             for model_id in idle[: max(0, len(self.engine.adapters) - self.max_resident)]:
                 self._evict(model_id)  # (this cycle holds the lock, maybe on the compute thread)
+        if not unavailable:
+            return cycle, {}
+        kept = Cycle(**{part: [q for q in getattr(cycle, part) if q.model_id not in unavailable]
+                        for part in ("forward_backward", "optim_steps", "others")})
+        return kept, {q.id: unavailable[q.model_id] for q in cycle.all() if q.model_id in unavailable}
 
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""
@@ -130,6 +202,7 @@ class InProcessExecutor:
         if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
             self.live.persist(model_id, last_seq, with_gradients=True)
         self.live.forget(model_id)
+        self._splits.pop(model_id, None)
         self.engine.delete_adapter(model_id)
 
     # --- cycles ----------------------------------------------------------------------------------
@@ -138,35 +211,88 @@ class InProcessExecutor:
         with self._lock:
             return run_on(self._compute, lambda: self._run_cycle(cycle, jobs), work="trainer")
 
+    def splitting(self) -> set[str]:
+        """The models halfway through a request run in parts here (they must not move or be evicted)."""
+        return {model_id for model_id, split in list(self._splits.items()) if not split.complete}
+
     def _run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
-        self._ensure_loaded({r.model_id for r in cycle.all()})
-        outcomes: dict[str, Outcome] = {}
+        for q in cycle.all():  # another request of the model: the one it ran in parts is over (or given up)
+            if q.model_id in self._splits and self._splits[q.model_id].request_id != q.id:
+                del self._splits[q.model_id]
+        cycle, outcomes = self._restore_states(cycle)
         if cycle.forward_backward:
             outcomes.update(self._forward_backward([jobs[r.id] for r in cycle.forward_backward]))
         if cycle.optim_steps:
             outcomes.update(self._optim_steps([jobs[r.id] for r in cycle.optim_steps]))
         for request in cycle.others:
             outcomes[request.id] = self._guarded(self._other, jobs[request.id])
-        for request in cycle.all():  # requests of one model run in seq_id order
-            if request.model_id in self.engine.adapters:
+        for request in cycle.all():  # requests of one model run in seq_id order; a part is not the request
+            if request.model_id in self.engine.adapters and outcomes[request.id].progress is None:
                 self._last_seq[request.model_id] = max(self._last_seq.get(request.model_id, -1), request.seq_id)
                 self._last_seq.move_to_end(request.model_id)
         return outcomes
 
     def _forward_backward(self, jobs: list[Job]) -> dict[str, Outcome]:
+        """One engine call for every request of the cycle; of a request run in parts, its next part."""
+        outcomes: dict[str, Outcome] = {}
+        runs: list[tuple[Job, ForwardBackwardInput, SplitRun | None]] = []
+        for job in jobs:
+            if job.part is None and job.request.model_id not in self._splits:
+                runs.append((job, engine_input(job), None))
+                continue
+            step = self._next_part(job)
+            if isinstance(step, Outcome):
+                outcomes[job.request.id] = step
+            else:
+                runs.append((job, step, self._splits[job.request.model_id]))
+        if not runs:
+            return outcomes
         try:
-            results = self.engine.forward_backward([engine_input(job) for job in jobs])
+            results = self.engine.forward_backward([engine_request for _, engine_request, _ in runs])
         except Exception as e:  # a bug or resource failure: every request of the batch fails, clearly
             log.exception("batched forward_backward failed")
-            return {job.request.id: Outcome.failed(f"forward_backward failed: {e}", "server") for job in jobs}
-        outcomes = {}
-        for job, result in zip(jobs, results):
+            results = [EngineError(f"forward_backward failed: {e}")] * len(runs)
+        for (job, _, split), result in zip(runs, results):
             if isinstance(result, EngineError):
                 outcomes[job.request.id] = Outcome.failed(str(result), result.category)
+                if split is not None:  # the request fails whole; its earlier parts' gradients stay, as a
+                    del self._splits[job.request.model_id]  # failed batch's earlier passes' do
+            elif split is None:
+                outcomes[job.request.id] = encoded(result)
             else:
-                outputs = [{k: v.numpy() for k, v in o.items()} for o in result.loss_fn_outputs]
-                outcomes[job.request.id] = Outcome(encode_forward_backward_output(outputs, result.metrics), PROTOBUF)
+                split.add(result)
+                outcomes[job.request.id] = (encoded(split.result()) if split.complete
+                                            else Outcome(progress=split.progress))
         return outcomes
+
+    def _next_part(self, job: Job) -> ForwardBackwardInput | Outcome:
+        """The engine input of a request's next part, or its answer without running anything: a part
+        this engine already ran (resent after a scheduler restart: running it again would apply its
+        gradient twice), or a failure. A request sent whole that this engine began in parts (the
+        scheduler restarted with other settings) runs its remaining datums."""
+        model_id = job.request.model_id
+        split = self._splits.get(model_id)
+        if split is None:
+            if job.part.start > 0:
+                return Outcome.failed(
+                    f"this request's first {job.part.start} datums ran on a trainer engine that has restarted since, "
+                    "and their results and gradients went with it; send the request again", "server")
+            try:
+                split = SplitRun.begin(job.request.id, engine_input(job), self.engine.vocab_size,
+                                       self.engine.max_seq_len)
+            except InvalidInputError as e:  # the whole request fails before any of it runs
+                return Outcome.failed(str(e), e.category)
+            self._splits[model_id] = split
+        if split.complete:
+            return encoded(split.result())
+        start = split.done if job.part is None else job.part.start
+        if start < split.done:
+            return Outcome(progress=split.progress)
+        if start > split.done:
+            return Outcome.failed(f"part from datum {start} asked, but this engine ran only {split.done} datums of the "
+                                  "request", "server")
+        max_tokens = math.inf if job.part is None else job.part.max_tokens
+        return split.next_input(max_tokens, self.engine.max_pass_tokens, self.engine.min_shared_prefix)
 
     def _optim_steps(self, jobs: list[Job]) -> dict[str, Outcome]:
         steps = [(job.request.model_id, AdamParams(**json.loads(job.payload)["adam_params"])) for job in jobs]
@@ -195,11 +321,14 @@ class InProcessExecutor:
             return Outcome.failed(body["error"], body["category"])
         if kind == "create_model":
             self.engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))
-            self.live.persist(model_id, job.request.seq_id)
+            self.live.persist(model_id, job.request.seq_id, resets=True)
             return Outcome.json({"model_id": model_id, "type": "create_model"})
         if kind == "load_weights":
-            self.engine.load_state(model_id, body["storage_path"], with_optimizer=body["optimizer"])
-            self.live.persist(model_id, job.request.seq_id)
+            try:
+                self.engine.load_state(model_id, body["storage_path"], with_optimizer=body["optimizer"])
+            except CheckpointError as e:  # named by its tinker:// path: the storage path holds the tenant's id
+                raise CheckpointError(f"{body['tinker_path']}: {e}") from None
+            self.live.persist(model_id, job.request.seq_id, resets=True)
             return Outcome.json({"path": body["tinker_path"], "model_id": model_id, "type": "load_weights"})
         if kind in ("save_weights", "save_weights_for_sampler"):
             location = body["storage_path"]
@@ -207,7 +336,8 @@ class InProcessExecutor:
                 self.engine.save_state(model_id, location)
             else:
                 self.engine.save_sampler_weights(model_id, location)
-            checkpoint = {k: body[k] for k in ("kind", "name", "tinker_path", "ttl_seconds")}
+            checkpoint = {k: body.get(k) for k in ("kind", "name", "tinker_path", "ttl_seconds", "user_metadata",
+                                                   "ephemeral")}
             checkpoint.update(storage_path=location, size_bytes=store.size(location))
             if body.get("sampling_session_id"):  # ephemeral snapshot for save_weights_and_get_sampling_client
                 result = {"sampling_session_id": body["sampling_session_id"], "type": kind}

@@ -1,4 +1,4 @@
-"""An executor's durable copy of each adapter's training state: the "live" folder per model.
+"""An executor's durable copy of each adapter's training state: two "live" folders per model.
 
 Written after create_model and load_weights before the outcome is returned, and after optim_steps
 in the background (a copy taken on the engine's thread, written by `StateWriter`). Writing it is
@@ -9,20 +9,129 @@ state is 68 MB: copying, hashing and writing it after every step cost a core for
 step's state is captured by a timer once its interval has passed, so a model that stops training
 is written soon after, and `close` captures every state still unwritten. The price: a crash
 replays up to `interval` seconds of each model's steps.
+
+Integrity: a model's state alternates between two slots, `<live>/<model>` and `<live>/<model>.alt`.
+A write goes to the slot that does not hold the newest complete state, and becomes the newest
+only once it is written whole (its manifest, with the SHA-256 of its tensors, is published last:
+workers/trainer/checkpoints.py); so the previous state is always kept beside the newest (twice
+the disk of one state), and each is checked against its SHA-256 when it is loaded. If the
+newest is corrupt, truncated or gone, the model is restored from the previous one and the
+scheduler replays the requests after it from the database (`place` reports the model, as for a
+dead engine; after a restart `durable_seq` is what the replay starts from). create_model and
+load_weights start a new history: their state goes to both slots, and every manifest names the
+seq_id its history started at (`lineage_seq`), so a state from before a load is never used as a
+base for replaying requests after it. Where no usable state is left, the model's requests fail
+with `LiveStateError`, naming what was found and what to do (`loraplex-admin models rebuild`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler.state_writer import StateWriter
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.trainer.checkpoints import TrainingState, read_manifest
+from workers.trainer.checkpoints import CheckpointError, TrainingState, read_manifest, verify_training_state
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+SLOTS = (("", "main copy"), (".alt", "alternate copy"))  # folder suffix, how errors name it
+REPAIR = "loraplex-admin models rebuild"
+
+
+class LiveStateError(EngineError):
+    """A model's stored training state cannot be restored (category "server": the fault is the
+    service's storage; the message says what was found and what the user or an operator can do)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    path: str
+    label: str
+    manifest: dict | None  # None: missing or unreadable (not verified either way)
+
+    @property
+    def seq(self) -> int:
+        return int(self.manifest.get("extra", {}).get("seq_id", -1)) if self.manifest else -1
+
+    @property
+    def lineage(self) -> int | None:
+        """The seq_id of the create_model / load_weights its history starts at (None: written before
+        manifests named it)."""
+        return self.manifest.get("extra", {}).get("lineage_seq") if self.manifest else None
+
+    def describe(self) -> str:
+        return f"the {self.label} (after seq_id {self.seq})" if self.manifest else f"the {self.label}"
+
+
+def slot_paths(live_dir: str | Path, model_id: str) -> tuple[str, str]:
+    return tuple(store.join(live_dir, model_id + suffix) for suffix, _ in SLOTS)  # type: ignore[return-value]
+
+
+def read_slots(live_dir: str | Path, model_id: str) -> list[Slot]:
+    """Both slots, newest first by their manifests (which are not verified here); unreadable ones last."""
+    slots = [Slot(path, label, read_manifest(path)) for path, (_, label) in zip(slot_paths(live_dir, model_id), SLOTS)]
+    return sorted(slots, key=lambda s: (s.manifest is not None, s.seq, s.manifest.get("step", 0) if s.manifest else 0),
+                  reverse=True)
+
+
+def candidates(slots: list[Slot], problems: list[str]) -> list[Slot]:
+    """The slots a model may be restored from, newest first: those with a manifest, down to the first
+    whose history started elsewhere than the newest's (a state from before a load_weights is not a
+    base for replaying the requests after it). What is wrong with the others goes to `problems`."""
+    readable = [s for s in slots if s.manifest is not None]
+    for slot in slots:
+        if slot.manifest is None:
+            found = "manifest.json is unreadable" if store.exists(slot.path) else "folder is missing"
+            problems.append(f"{slot.describe()}: its {found}")
+    usable = []
+    for slot in readable:
+        if usable and slot.lineage != readable[0].lineage:
+            problems.append(f"{slot.describe()}: it predates the create_model or load_weights at seq_id "
+                            f"{readable[0].lineage}, so the requests after it cannot be replayed onto it")
+            break
+        usable.append(slot)
+    return usable
+
+
+def newest_verified(live_dir: str | Path, model_id: str) -> tuple[Slot | None, list[str]]:
+    """The newest slot whose tensors match their SHA-256, and what was wrong with the newer ones."""
+    problems: list[str] = []
+    for slot in candidates(read_slots(live_dir, model_id), problems):
+        try:
+            verify_training_state(slot.path)
+        except CheckpointError as e:
+            problems.append(f"{slot.describe()}: {e}")
+            continue
+        return slot, problems
+    return None, problems
+
+
+def cannot_restore(model_id: str, problems: list[str]) -> LiveStateError:
+    found = "; ".join(problems) or "no stored state was found"
+    return LiveStateError(
+        f"the training state of model {model_id} cannot be restored: {found}. Its requests fail until it is "
+        f"repaired: an operator can rebuild it from its last verified state or checkpoint and the requests after "
+        f"it (`{REPAIR} {model_id}`), or you can continue from one of your saved checkpoints (load_state)")
+
+
+@dataclass(frozen=True)
+class Restored:
+    seq: int  # the seq_id the loaded state reflects
+    expected: int  # the seq_id this process last wrote or reported for the model (-1: none)
+    problems: list[str]  # what was wrong with newer slots
+
+    @property
+    def behind(self) -> bool:
+        """Older than what was written or reported: requests after `seq` must be replayed onto it."""
+        return self.seq < self.expected
 
 
 class LiveStates:
@@ -32,7 +141,7 @@ class LiveStates:
         self._compute = compute  # where the timer's and close's captures (copies) run, as the engine's work
         self.live_dir = str(live_dir)
         self.interval = interval
-        self.writer = StateWriter()
+        self.writer = StateWriter(on_written=self._written)
         # Held by whoever runs the engine, and here around every capture: none sees half a step.
         # Everything below changes only under it.
         self._engine_lock = engine_lock
@@ -41,19 +150,111 @@ class LiveStates:
         self._timer: threading.Timer | None = None  # one-shot, only while states wait for their interval
         self._timer_due = math.inf
         self._closed = False
+        # model -> its newest complete slot (set by the writer's thread after a write, and by restore)
+        self._newest: dict[str, Slot] = {}
+        self._expected: dict[str, int] = {}  # model -> the seq_id its stored state should reflect
+        self._lineage: dict[str, int | None] = {}  # model -> the seq_id its history started at
+        # model -> the newest seq_id the database holds as applied, as the scheduler read it at recovery.
+        # A stored state newer than that was written before its step's outcome was committed, and the
+        # server stopped in between: the step runs again, so restoring that state would apply it twice.
+        self._ceiling: dict[str, int] = {}
 
     def path(self, model_id: str) -> str:
-        return store.join(self.live_dir, model_id)
+        """The model's newest written slot as far as this process knows (else the main one)."""
+        known = self._newest.get(model_id)
+        return known.path if known is not None else slot_paths(self.live_dir, model_id)[0]
 
-    def persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False) -> None:
+    # --- writing ---------------------------------------------------------------------------------
+
+    def persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False,
+                resets: bool = False) -> None:
         """Capture the model's state as of `seq_id` now; write it before returning, or (wait=False) in the
-        background (the capture is a copy). Every write of a model goes through the writer, so none overtakes a newer one."""
+        background (the capture is a copy). Every write of a model goes through the writer, so none overtakes
+        a newer one. `resets`: the state starts a new history (create_model, load_weights): both slots, waited for."""
         state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients)
         self._captured_at[model_id] = time.monotonic()
         self._unwritten.pop(model_id, None)
-        self.writer.submit(model_id, self.path(model_id), state, {"seq_id": seq_id})
+        if resets:
+            self._lineage[model_id] = seq_id
+        self._expected[model_id] = seq_id
+        self._ceiling.pop(model_id, None)  # the model went on from a state the database agrees with
+        extra = {"seq_id": seq_id, "lineage_seq": self._lineage.get(model_id)}
+        if resets:
+            for path in slot_paths(self.live_dir, model_id):  # one after the other: one always holds a whole state
+                self.writer.submit(model_id, path, state, extra)
+                self.writer.flush(model_id)
+            return
+        self.writer.submit(model_id, lambda: self._target(model_id), state, extra)
         if wait:
             self.writer.flush(model_id)
+
+    def _target(self, model_id: str) -> str:
+        """The slot to write next (on the writer's thread): the one not holding the newest complete state."""
+        main, alt = slot_paths(self.live_dir, model_id)
+        known = self._newest.get(model_id)
+        return alt if known is not None and known.path == main else main
+
+    def _written(self, model_id: str, path: str | Path, extra: dict) -> None:
+        """The writer wrote a state whole: it is the model's newest one to restore from."""
+        label = next(label for (suffix, label), p in zip(SLOTS, slot_paths(self.live_dir, model_id)) if p == str(path))
+        self._newest[model_id] = Slot(str(path), label, {"extra": extra})
+
+    # --- restoring -------------------------------------------------------------------------------
+
+    def restore(self, model_id: str) -> Restored | None:
+        """Load the model's newest stored state that verifies into the engine (None: it has none, and
+        this process never wrote one). LiveStateError if none of its stored states can be used."""
+        self.writer.flush(model_id)
+        slots = read_slots(self.live_dir, model_id)
+        expected = self._expected.get(model_id, -1)
+        if expected < 0 and all(s.manifest is None and not store.exists(s.path) for s in slots):
+            return None
+        problems: list[str] = []
+        for slot in candidates(slots, problems):
+            if slot.seq > self._ceiling.get(model_id, slot.seq):
+                problems.append(f"{slot.describe()}: it is ahead of the database (applied up to seq_id "
+                                f"{self._ceiling[model_id]}): its step's outcome was never stored, so the step runs again")
+                continue
+            try:
+                self.engine.load_state(model_id, slot.path)  # verifies the SHA-256
+            except CheckpointError as e:
+                problems.append(f"{slot.describe()}: {e}")
+                continue
+            except Exception as e:  # whatever stops one slot from loading, the other may still do
+                log.exception("loading the stored state of %s from %s failed", model_id, slot.path)
+                problems.append(f"{slot.describe()}: it could not be loaded ({type(e).__name__})")
+                continue
+            self._newest[model_id] = slot
+            self._lineage[model_id] = slot.lineage
+            return Restored(slot.seq, expected, problems)
+        raise cannot_restore(model_id, problems)
+
+    def restart_from(self, model_id: str, seq_id: int) -> None:
+        """The scheduler replays the model's requests after `seq_id` onto its restored state now."""
+        self._expected[model_id] = seq_id
+
+    def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
+        """The seq_id to replay the model's requests after, if its engine lost them: that of its newest
+        state this process wrote or restored, else its newest stored one's (verified when loaded: a
+        corrupt one makes the load fall back, and `place` reports the model to be replayed from there).
+        `at_most`: the seq_id the database holds as applied; a newer stored state is never restored."""
+        self.writer.flush(model_id)
+        if at_most is not None:
+            self._ceiling[model_id] = at_most
+        ceiling = self._ceiling.get(model_id)
+        known = self._newest.get(model_id)
+        if known is not None and (ceiling is None or known.seq <= ceiling):
+            seq = known.seq
+        else:
+            stored = [s for s in read_slots(self.live_dir, model_id)
+                      if s.manifest is not None and (ceiling is None or s.seq <= ceiling)]
+            if not stored:
+                return None
+            seq = stored[0].seq
+        self._expected[model_id] = seq
+        return seq
+
+    # --- when to write ---------------------------------------------------------------------------
 
     def stepped(self, model_id: str, seq_id: int) -> None:
         """After an optim_step: capture now if the model's interval has passed, else when it has."""
@@ -65,15 +266,10 @@ class LiveStates:
             self._wake_at(due)
 
     def forget(self, model_id: str) -> None:
-        """The model left the engine (deleted, or evicted with its full state written)."""
+        """The model left the engine (deleted, or evicted with its full state written). What its stored
+        state should reflect is kept: a reload must reach it."""
         self._unwritten.pop(model_id, None)
         self._captured_at.pop(model_id, None)
-
-    def durable_seq(self, model_id: str) -> int | None:
-        """The seq_id the model's durable state reflects, or None if it has none."""
-        self.writer.flush(model_id)
-        manifest = read_manifest(self.path(model_id))
-        return None if manifest is None else int(manifest.get("extra", {}).get("seq_id", -1))
 
     def close(self) -> None:
         """Capture every state not captured yet and finish writing them all."""

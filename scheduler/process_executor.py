@@ -83,10 +83,18 @@ class ProcessExecutor:
         return value
 
     def place(self, model_ids: set[str]) -> set[str]:
-        """Of these models, those a dead engine process held: their work since their durable state must be replayed."""
+        """Of these models, those a dead engine process held, and those the child restored from an older
+        stored state than they reached (the newest failed its integrity check): their work since their
+        durable state must be replayed."""
+        behind: set[str] = set()
+        if self._proc.is_alive():  # (a dead one is found, and replaced, by the cycle it fails: run_cycle)
+            try:  # one small round trip per cycle (0.05 ms): only the child knows what it holds in memory
+                behind = self._call("place", model_ids)
+            except RuntimeError:  # it died just now: its models are in _lost
+                pass
         with self._lock:
             moved, self._lost = self._lost & model_ids, self._lost - model_ids
-            return moved
+            return moved | behind
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         try:
@@ -96,8 +104,8 @@ class ProcessExecutor:
         self._held |= {q.model_id for q in cycle.all()}
         return outcomes
 
-    def durable_seq(self, model_id: str) -> int | None:
-        return self._call("durable_seq", model_id)
+    def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
+        return self._call("durable_seq", model_id, at_most)
 
     def close(self) -> None:
         self._conn.close()

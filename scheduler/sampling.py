@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from db.models import Request, RequestState, utcnow
 from loraplex.wire.codec import encode_sample_response
+from scheduler import stability
 from scheduler.notify import Answer, Notifier
 from workers.sampler.jobs import SampleJob, SampleResult
 from workers.trainer.errors import EngineError
@@ -44,7 +45,8 @@ class SamplingDispatcher:
         self.engine = engine
         self.notifier = notifier
         self.max_pending = max_pending
-        self._in_flight: set[str] = set()  # a second copy of a job in flight is dropped (scheduler/bus.py)
+        # a second copy of a job in flight is dropped (scheduler/bus.py); the job is kept for its outcome
+        self._in_flight: dict[str, SampleJob] = {}
         self._lock = threading.Lock()
 
     def check_capacity(self) -> None:
@@ -57,7 +59,7 @@ class SamplingDispatcher:
         with self._lock:
             if job.request_id in self._in_flight:
                 return
-            self._in_flight.add(job.request_id)
+            self._in_flight[job.request_id] = job
         self.engine.submit(job, self._done)
 
     def recover(self) -> int:
@@ -72,6 +74,8 @@ class SamplingDispatcher:
         return len(jobs)
 
     def _done(self, request_id: str, outcome: SampleResult | EngineError) -> None:
+        with self._lock:
+            job = self._in_flight.get(request_id)
         with self.sessions() as s:
             row = s.get(Request, request_id)
             if isinstance(outcome, EngineError):
@@ -83,11 +87,16 @@ class SamplingDispatcher:
                 )
                 row.result_content_type, row.state = PROTOBUF, RequestState.DONE
                 row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage
+                if job is None:  # an outcome for a job this process did not submit (one from before a restart)
+                    job = SampleJob.from_json(row.payload)
+                if job.recorded_sequence_ids:  # in the result's transaction: no answer without its record
+                    stability.record(s, row.tenant_id, row.model_id, job, outcome.sequences, utcnow())
+                    stability.prune_expired(s, utcnow())
             row.finished_at = utcnow()
             s.commit()
             answer = Answer.of_row(row)
         with self._lock:
-            self._in_flight.discard(request_id)
+            self._in_flight.pop(request_id, None)
         self.notifier.notify(request_id, answer)
 
     def close(self) -> None:

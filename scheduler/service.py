@@ -14,19 +14,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 from scheduler import metrics
 from scheduler.executor import Job, Outcome
 from scheduler.notify import Answer, Notifier
-from scheduler.ordering import REJECTED, QueuedRequest, ReorderBuffer
+from scheduler.ordering import BATCHABLE_KINDS, REJECTED, QueuedRequest, ReorderBuffer
 from scheduler.planner import Cycle, CyclePlanner
 from scheduler.sampling import SAMPLE
 
@@ -46,12 +46,14 @@ class CycleLog:
             del self.cycles[: -self.keep]
 
 
-def observe(cycle: Cycle, outcomes: dict[str, Outcome]) -> None:
-    """A finished cycle in the Prometheus metrics."""
+def observe(cycle: Cycle, outcomes: dict[str, Outcome], going_on: set[str] = frozenset()) -> None:
+    """A finished cycle in the Prometheus metrics (`going_on`: requests it ran a part of, not the last)."""
     if cycle.forward_backward:
         metrics.CYCLE_TOKENS.observe(sum(q.num_tokens for q in cycle.forward_backward))
         metrics.CYCLE_TENANTS.observe(len({q.tenant_id for q in cycle.forward_backward}))
     for q in cycle.all():
+        if q.id in going_on:
+            continue
         outcome = outcomes.get(q.id)
         metrics.REQUESTS_FINISHED.labels(q.kind, "ok" if outcome and not outcome.error else "failed").inc()
 
@@ -73,11 +75,11 @@ def queued(row: Request) -> QueuedRequest:
 class SchedulerService:
     def __init__(
         self, sessions: sessionmaker[Session], executor, token_budget: int, notifier: Notifier,
-        gather_seconds: float = 0.0, seq_gap_seconds: float = 60.0,
+        gather_seconds: float = 0.0, seq_gap_seconds: float = 60.0, tenant_max_tokens_in_flight: int = 0,
     ) -> None:
         self.sessions = sessions
         self.executor = executor
-        self.planner = CyclePlanner(token_budget)
+        self.planner = CyclePlanner(token_budget, tenant_max_tokens_in_flight=tenant_max_tokens_in_flight)
         self.notifier = notifier
         self.buffer = ReorderBuffer()
         self.inbox: queue.SimpleQueue[QueuedRequest] = queue.SimpleQueue()
@@ -125,7 +127,8 @@ class SchedulerService:
         if only is not None:
             live = live.where(TrainingModel.id.in_(only))
         for model in s.scalars(live):
-            durable = self.executor.durable_seq(model.id)
+            # never a state newer than what the database holds as applied: that step runs again
+            durable = self.executor.durable_seq(model.id, at_most=model.last_applied_seq_id)
             if durable is None or durable >= model.last_applied_seq_id:
                 continue
             rows = s.scalars(
@@ -207,7 +210,11 @@ class SchedulerService:
     # --- running ---------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Plan and run one cycle; False when there was nothing to run."""
+        """Plan and run one cycle; False when there was nothing to run. A request run in parts
+        (scheduler/planner.py) runs one part per cycle; it finishes, is stored and answered, and its
+        model moves on, only with its last part. Its progress lives in this process and in the
+        engine that ran its parts: after a restart the request runs again from its first datum, and
+        an engine that outlived the scheduler (a Celery worker) answers the parts it ran from there."""
         with self.sessions() as s:
             if self._drain_inbox(s) and self._idle and self.gather_seconds:
                 time.sleep(self.gather_seconds)  # the first arrival after idling waits for its peers
@@ -218,38 +225,77 @@ class SchedulerService:
             if not cycle:
                 return False
             requests = cycle.all()
-            self.buffer.start(requests)
+            self.buffer.start([q for q in requests if q.id not in cycle.continuing])  # those are running already
             selected = s.execute(sa.select(Request.id, Request.payload, Request.error)
                                  .where(Request.id.in_([q.id for q in requests])))
             rows = {row.id: row for row in selected}
             # A request whose failure was recorded before it ran (refused at the door, or behind a
             # seq_id that never arrived) only passes its seq_id: the executor never sees it.
             refused = {q.id: Outcome(error=dict(rows[q.id].error)) for q in requests if rows[q.id].error}
-            jobs = {q.id: Job(q, rows[q.id].payload) for q in requests if q.id not in refused}
+            jobs = {q.id: Job(q, rows[q.id].payload, cycle.parts.get(q.id)) for q in requests if q.id not in refused}
+        # Two engine calls: first the cycle's whole requests (and its optim_steps and other operations),
+        # answered at once, then the parts of large requests. A part never shares an engine pass with
+        # another request (workers/trainer/parts.py), so nothing batches less, and a small request
+        # waits only for the part that was running when it arrived, not for one beside it too.
+        whole = _without(cycle, {**refused, **cycle.parts})
+        in_parts = Cycle(forward_backward=[q for q in cycle.forward_backward
+                                           if q.id in cycle.parts and q.id not in refused])
+        for batch, decided in ((whole, refused), (in_parts, {})):
+            batch_requests = batch.all() + [q for q in requests if q.id in decided]
+            if batch_requests:
+                self._run_batch(batch, batch_requests, jobs, decided)
+        return True
+
+    def _run_batch(self, batch: Cycle, requests: list[QueuedRequest], jobs: dict[str, Job],
+                   decided: dict[str, Outcome]) -> None:
+        """Run one engine call of a cycle (`decided`: requests of it answered without running); store and
+        answer what finished: all but the parts of large requests that have more to run."""
+        # Placed per call: an engine found dead by the cycle's first call is replaced before its parts run.
         moved = self.executor.place({q.model_id for q in requests})
         if moved:  # their worker (or engine process) died: rebuild the gradients it held there, first
             with self.sessions() as s:
                 self._replay_lost_work(s, only=moved)
+            for request_id, job in list(jobs.items()):  # a request's parts that ran there died with it too
+                if job.part is not None and job.part.start > 0 and job.request.model_id in moved:
+                    self.planner.restart(request_id)
+                    jobs[request_id] = replace(job, part=replace(job.part, start=0))
         # No "running" commit here: it would cost a database write per cycle on the latency path,
         # and recovery re-runs pending and running requests alike. started_at is stored with the outcome.
         started_at = utcnow()
-        self.cycle_log.record(cycle)
+        parts = [q.id for q in requests if q.id in self.planner.splits]
+        for request_id in parts:
+            self.planner.splits[request_id].started_at = self.planner.splits[request_id].started_at or started_at
+        self.cycle_log.record(batch)
         try:
             with metrics.CYCLE_SECONDS.time():
-                outcomes = self.executor.run_cycle(_without(cycle, refused), jobs) if jobs else {}
-            outcomes.update(refused)
+                outcomes = self.executor.run_cycle(batch, jobs) if batch else {}
+            outcomes.update(decided)
         except Exception as e:  # the executor should not raise; if it does, fail the cycle clearly
             log.exception("cycle failed")
             outcomes = {q.id: Outcome.failed(f"internal error: {e}", "server") for q in requests}
-        observe(cycle, outcomes)
-        answers = self._store(requests, outcomes, started_at)
-        self.buffer.finish(requests)
-        for q in requests:
+        going_on = {request_id for request_id in parts if outcomes.get(request_id) and outcomes[request_id].progress}
+        first_started = {}
+        for request_id in parts:
+            if request_id in going_on:
+                self.planner.advanced(request_id, outcomes[request_id].progress)
+            else:
+                first_started[request_id] = self.planner.splits[request_id].started_at
+                self.planner.finished(request_id)
+        batchable = [q for q in requests if q.kind in BATCHABLE_KINDS]
+        observe(Cycle(forward_backward=batchable, others=[q for q in requests if q not in batchable]),
+                outcomes, going_on)
+        finished = [q for q in requests if q.id not in going_on]
+        if not finished:  # a part with more to come: nothing to store (what ran lives in the engine)
+            return
+        answers = self._store(finished, outcomes, started_at, first_started)
+        self.buffer.finish(finished)
+        for q in finished:
             self.notifier.notify(q.id, answers[q.id])
-        return True
 
-    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at) -> dict[str, Answer]:
-        """Commit every request's outcome and its model's progress together; the answers, as stored."""
+    def _store(self, requests: list[QueuedRequest], outcomes: dict[str, Outcome], started_at,
+               first_started: dict[str, datetime] | None = None) -> dict[str, Answer]:
+        """Commit every request's outcome and its model's progress together; the answers, as stored.
+        `first_started`: the start of requests that began before this cycle (run in parts)."""
         answers, updates, checkpoints, progress = {}, [], [], {}
         now = utcnow()
         for q in requests:
@@ -258,7 +304,7 @@ class SchedulerService:
             updates.append({
                 "id": q.id, "result": outcome.result, "result_content_type": outcome.content_type,
                 "error": outcome.error, "state": RequestState.FAILED if outcome.error else RequestState.DONE,
-                "started_at": started_at, "finished_at": now,
+                "started_at": (first_started or {}).get(q.id, started_at), "finished_at": now,
             })
             if outcome.checkpoint:
                 checkpoints.append((q, outcome.checkpoint))
@@ -285,6 +331,7 @@ class SchedulerService:
             s.add(row)
         row.kind, row.name = info["kind"], info["name"]
         row.storage_path, row.size_bytes = info["storage_path"], info["size_bytes"]
+        row.user_metadata, row.ephemeral = info.get("user_metadata"), bool(info.get("ephemeral"))
         row.created_at = utcnow()
         ttl = info.get("ttl_seconds")
         row.expires_at = row.created_at + timedelta(seconds=ttl) if ttl else None

@@ -6,6 +6,10 @@ path cost 3.4 ms of a `tiny` round and 45-78 ms per SmolLM2 step. A model's newe
 an older one still waiting. Until it is written the model's durable seq_id is the last written
 one, and after a restart (or a dead worker) the scheduler replays the acknowledged requests after
 it from the database (scheduler/service.py): nothing acknowledged is lost, only recomputed.
+
+Where a state goes may be decided when it is written (`path` a function, called on this thread):
+scheduler/live_state.py picks the slot that does not hold the newest complete state, which only
+this thread changes, through `on_written` (called once a state is written whole).
 """
 
 from __future__ import annotations
@@ -13,22 +17,27 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Callable
 
 from workers.trainer.checkpoints import TrainingState
 
 log = logging.getLogger(__name__)
 
 
+Location = str | Path | Callable[[], str | Path]
+
+
 class StateWriter:
-    def __init__(self) -> None:
-        self._pending: dict[str, tuple[str | Path, TrainingState, dict]] = {}  # model id -> what to write
+    def __init__(self, on_written: Callable[[str, str | Path, dict], None] | None = None) -> None:
+        self._on_written = on_written  # (model id, where, extra) after a state is written whole
+        self._pending: dict[str, tuple[Location, TrainingState, dict]] = {}  # model id -> what to write
         self._writing: str | None = None
         self._closed = False
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, model_id: str, path: str | Path, state: TrainingState, extra: dict) -> None:
+    def submit(self, model_id: str, path: Location, state: TrainingState, extra: dict) -> None:
         with self._changed:
             self._pending[model_id] = (path, state, extra)
             self._changed.notify_all()
@@ -61,7 +70,10 @@ class StateWriter:
                 path, state, extra = self._pending.pop(model_id)
                 self._writing = model_id
             try:
-                state.write(path, extra)
+                where = path() if callable(path) else path
+                state.write(where, extra)
+                if self._on_written is not None:
+                    self._on_written(model_id, where, extra)
             except Exception:  # the durable state stays older; a restart replays more
                 log.exception("writing the training state of %s failed", model_id)
             finally:

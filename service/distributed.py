@@ -23,6 +23,7 @@ from api.app import create_app
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from scheduler.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
 from scheduler.celery_executor import CeleryExecutor
+from scheduler.janitor import Janitor
 from scheduler.notify import Notifier
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
@@ -63,7 +64,8 @@ class SchedulerProcess:
         publisher = FinishedPublisher(client)
         executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
         self.scheduler = SchedulerService(self.sessions, executor, settings.cycle_token_budget, publisher,
-                                          settings.cycle_gather_seconds, settings.seq_gap_seconds)
+                                          settings.cycle_gather_seconds, settings.seq_gap_seconds,
+                                          settings.tenant_max_tokens_in_flight)
         self.sampling = None
         if settings.sampler_enabled:
             from scheduler.remote_sampler import RemoteSamplerEngine
@@ -72,6 +74,7 @@ class SchedulerProcess:
                                                publisher, settings.sampler_max_pending)
         self.inbox = InboxConsumer(client, info.name, self.scheduler, self.sampling, self.sessions)
         self.redis, self.base_model = client, info.name
+        self.janitor = Janitor(self.sessions, settings.ephemeral_snapshot_grace_seconds)
 
     def start(self) -> None:
         # Unfinished requests come back from the database first; copies of them still in the
@@ -81,9 +84,11 @@ class SchedulerProcess:
             self.sampling.engine.start()
             self.sampling.recover()
         self.inbox.start()
+        self.janitor.start()
         start_heartbeat(self.redis, scheduler_key(self.base_model), lambda: {"base_model": self.base_model})
 
     def close(self) -> None:
+        self.janitor.stop()
         self.inbox.stop()
         self.scheduler.stop()
         if self.sampling is not None:

@@ -22,6 +22,7 @@ from api.app import create_app
 from db.models import Tenant
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from scheduler.executor import InProcessExecutor
+from scheduler.janitor import Janitor
 from scheduler.process_executor import ProcessExecutor
 from scheduler.notify import Notifier
 from scheduler.sampling import SamplingDispatcher
@@ -42,14 +43,19 @@ class EmbeddedServer:
     sessions: object
     sampling: SamplingDispatcher | None = None
     compute: ComputeThread | None = None  # the trainer's and the sampler's torch work, taking turns
+    janitor: Janitor | None = None
 
     def start(self) -> None:
         self.scheduler.start()
+        if self.janitor is not None:
+            self.janitor.start()
         if self.sampling is not None:
             self.sampling.engine.start()  # in the background: the API answers while vLLM loads
             self.sampling.recover()
 
     def close(self) -> None:
+        if self.janitor is not None:
+            self.janitor.stop()
         self.scheduler.stop()
         if self.sampling is not None:
             self.sampling.close()
@@ -97,11 +103,13 @@ def build(settings: Settings) -> EmbeddedServer:
                                      settings.state_write_interval_seconds, compute)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
-                                 settings.cycle_gather_seconds, settings.seq_gap_seconds)
+                                 settings.cycle_gather_seconds, settings.seq_gap_seconds,
+                                 settings.tenant_max_tokens_in_flight)
     sampling, unavailable = build_sampling(settings, info, sessions, notifier, compute)
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
                      model_info=info, sampling_dispatcher=sampling, sampling_unavailable=unavailable)
-    return EmbeddedServer(app, scheduler, executor, sessions, sampling, compute)
+    janitor = Janitor(sessions, settings.ephemeral_snapshot_grace_seconds)
+    return EmbeddedServer(app, scheduler, executor, sessions, sampling, compute, janitor)
 
 
 def ensure_default_tenant(sessions) -> str | None:

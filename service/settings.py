@@ -38,6 +38,10 @@ class Settings(BaseSettings):
         5.0, description="an adapter's durable training state is written at most this often; a crash "
         "replays up to this long of its steps from the database (scheduler/live_state.py)")
     cycle_token_budget: int = Field(8192, description="tokens per batched engine call (one scheduler cycle)")
+    tenant_max_tokens_in_flight: int = Field(
+        0, ge=0, description="a tenant's new forward/forward_backward requests wait in the queue while its "
+        "requests started and not yet run (the rest of those run in parts, and this cycle's) would exceed this "
+        "many tokens; one larger request still runs, alone for its tenant (0: no limit; scheduler/planner.py)")
     # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
     cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
     max_request_bytes: int = 64 * 1024 * 1024
@@ -48,6 +52,9 @@ class Settings(BaseSettings):
                                            "(0: never; workers/trainer/shared_prefix.py)")
     seq_gap_seconds: float = Field(60.0, description="a model's missing seq_id is skipped (recorded as failed) "
                                    "once a later one has waited this long behind it")
+    ephemeral_snapshot_grace_seconds: float = Field(
+        600.0, description="an unnamed sampler snapshot (save_weights_and_get_sampling_client) is deleted once a "
+        "newer one of its model exists and nothing sampled it for this long (scheduler/janitor.py)")
 
     # Distributed trainer workers: "local" runs cycles in this process (or its child, with
     # engine_process); "celery" sends them to Celery trainer workers (workers/celery_worker.py).

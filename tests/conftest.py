@@ -16,6 +16,9 @@ import torch
 # before anything imports triton (peft and transformers may): hence here, before every test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No machine here reaches the hub: without this, a tokenizer lookup by hub id retries it five
+# times per file (53 s for one miss) before it falls back to the local cache.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from workers.models.registry import resolve_model
 
@@ -65,6 +68,10 @@ def webdav_store(tmp_path_factory):
     yield lambda: f"webdav://loraplex-{uuid.uuid4().hex[:8]}"
     server.terminate()
     server.wait(timeout=10)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: needs vLLM (sampling) or runs for over ~20 s; -m 'not slow' leaves them out")
 
 
 # The pytest process ends without the interpreter's teardown. One clean-clone CI run (2026-12-02)

@@ -42,7 +42,9 @@ def _start(sender=None, **_) -> None:
     executor = InProcessExecutor(engine, settings.live_dir,
                                  settings.max_resident_adapters, settings.state_write_interval_seconds)
     _state["executor"] = executor
-    register_worker(client, sender, worker_key, info.name, lambda: {"adapters": sorted(executor.engine.adapters)})
+    # "splitting": models halfway through a request run in parts here, which must not move away
+    register_worker(client, sender, worker_key, info.name,
+                    lambda: {"adapters": sorted(executor.engine.adapters), "splitting": sorted(executor.splitting())})
 
 
 @signals.worker_shutdown.connect

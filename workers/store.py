@@ -121,6 +121,14 @@ def local_folder(location: str | Path) -> Path | None:
     return cached
 
 
+def exists(location: str | Path) -> bool:
+    """Whether a folder is at `location` (on a remote store: a published version of one)."""
+    if not is_remote(location):
+        return Path(location).exists()
+    fs, path = _fs(str(location))
+    return _current_version(fs, path) is not None
+
+
 def read_json(location: str | Path, name: str) -> dict | None:
     """The JSON file `name` of the folder at `location`, or None (missing or not JSON)."""
     try:

@@ -15,11 +15,11 @@ from starlette.background import BackgroundTask
 from pydantic import BaseModel
 
 from api.deps import DB, CurrentTenant, Limit, Offset
-from api.paths import TinkerPath, checkpoint_root
+from api.paths import TinkerPath
 from api.lookups import owned_model
 from db.models import Checkpoint, TrainingModel, utcnow
 from db.models import Request as RequestRow
-from workers import store
+from scheduler import janitor
 from workers.trainer.checkpoints import CheckpointError, export_peft
 
 router = APIRouter()
@@ -35,7 +35,7 @@ def checkpoint_json(row: Checkpoint) -> dict:
         "checkpoint_id": TinkerPath.parse(row.tinker_path).checkpoint_id,
         "checkpoint_type": CHECKPOINT_TYPES.get(row.kind, row.kind), "time": iso(row.created_at),
         "tinker_path": row.tinker_path, "size_bytes": row.size_bytes, "public": row.public,
-        "user_metadata": None, "expires_at": iso(row.expires_at),
+        "user_metadata": row.user_metadata, "expires_at": iso(row.expires_at),
     }
 
 
@@ -100,9 +100,9 @@ def owned_checkpoint(db: DB, tenant_id: str, run_id: str, checkpoint_id: str) ->
 
 @router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
 def publish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    """Idempotent: publishing a public checkpoint again succeeds. The SDK retries a 409 (which
+    Tinker's docs list for it) for five minutes before it raises."""
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
-    if row.public:
-        raise HTTPException(409, "checkpoint is already public")
     row.public = True
     db.commit()
     return {}
@@ -110,9 +110,8 @@ def publish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> d
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
 def unpublish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
+    """Idempotent, as publish is."""
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
-    if not row.public:
-        raise HTTPException(409, "checkpoint is already private")
     row.public = False
     db.commit()
     return {}
@@ -152,8 +151,6 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 def delete_checkpoint(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
-    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
-    store.delete(checkpoint_root(row.storage_path, row.kind))
-    db.delete(row)
+    janitor.delete_checkpoint(db, owned_checkpoint(db, tenant.id, run_id, checkpoint_id))
     db.commit()
     return {}

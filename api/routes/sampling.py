@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from api import quotas
 from api.deps import DB, CurrentTenant
@@ -48,7 +48,7 @@ def create_sampling_session(body: CreateSamplingSession, request: Request, tenan
         if checkpoint.kind != "sampler":
             raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
         adapter_path = checkpoint.storage_path  # pinned: a later save under this name makes a new folder
-    served_model(request, base_model)
+    base_model = served_model(request, base_model)  # stored by its hub id, whichever alias named it
     sid = sampler_id(session.id, body.sampling_session_seq_id)
     if db.get(Sampler, sid) is None:
         db.add(Sampler(id=sid, tenant_id=tenant.id, session_id=session.id, base_model=base_model,
@@ -91,6 +91,8 @@ def get_sampler(sampling_session_id: str, tenant: CurrentTenant, db: DB) -> dict
 
 
 class SamplingParamsIn(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN is "not a finite number", not "below 0"
+
     max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | list[int] | None = None
@@ -148,7 +150,8 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
                                     .where(Checkpoint.tinker_path == sampler.model_path)).first()
             if checkpoint is None or (checkpoint.tenant_id != tenant_id and not checkpoint.public):
                 raise HTTPException(404, f"sampling_session_id: the sampler's weights {sampler.model_path} "
-                                         "are not saved (yet), were deleted, or are no longer published")
+                                         "are not saved (yet), were deleted (an unnamed snapshot is, once a newer "
+                                         "one exists and it went unused), or are no longer published")
         return sampler.id, sampler.adapter_path
     if body.model_path is not None:
         _, checkpoint = resolve_checkpoint(db, tenant_id, body.model_path, "model_path")
@@ -191,16 +194,21 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
     except SamplerUnavailable as e:
         raise HTTPException(503, str(e)) from None
+    request_id = new_id()
+    seq_id = body.seq_id if sid is not None else None  # (sampler, seq_id) dedupes the client's retries
+    prefix = f"{sid or request_id}:{seq_id if seq_id is not None else 0}"
+    sequence_ids = [f"{prefix}:{i}@{version}" for i in range(body.num_samples)]
     job = SampleJob(
-        request_id=new_id(), prompt=tuple(prompt), num_samples=body.num_samples, options=options,
+        request_id=request_id, prompt=tuple(prompt), num_samples=body.num_samples, options=options,
         adapter_path=adapter_path, prompt_logprobs=body.prompt_logprobs,
         prompt_logprobs_last_n=body.prompt_logprobs_last_n, topk_prompt_logprobs=body.topk_prompt_logprobs,
         topk_sample_logprobs=body.topk_sample_logprobs,
+        # stable_reinforce: the samples are recorded under these ids when they finish (scheduler/stability.py)
+        recorded_sequence_ids=tuple(sequence_ids) if body.record_stability_info else (),
+        policy_version=_snapshot_version(adapter_path) if adapter_path is not None else None,
     )
-    seq_id = body.seq_id if sid is not None else None  # (sampler, seq_id) dedupes the client's retries
     accepted = submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id, kind=SAMPLE,
                       payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,
                       dispatch=lambda: dispatcher.submit(job))
-    prefix = f"{sid or accepted['request_id']}:{seq_id if seq_id is not None else 0}"
-    accepted["sample_sequence_ids"] = [f"{prefix}:{i}@{version}" for i in range(body.num_samples)]
+    accepted["sample_sequence_ids"] = sequence_ids  # a retry's: the same (sampler, seq_id), the same ids
     return accepted

@@ -26,7 +26,8 @@ def healthz() -> dict:
 def capabilities(request: Request) -> dict:
     info = request.app.state.model_info
     return {"supported_models": [
-        {"model_name": info.name, "max_context_length": info.max_context, "trainable": True, "sampleable": False}
+        {"model_name": info.name, "max_context_length": info.max_context, "trainable": True,
+         "sampleable": request.app.state.sampling is not None}
     ]}
 
 

@@ -24,6 +24,7 @@ from api.lookups import check_owned_model, owned_model, owned_session, resolve_c
 from api.submit import submit
 from db.models import Checkpoint, Sampler, TrainingModel
 from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
+from scheduler import stability
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput, prepare_request
 from workers.trainer.checkpoints import read_manifest
@@ -44,12 +45,25 @@ class LoraConfigIn(BaseModel):
     train_attn: bool = True
 
 
+class OptimizerConfig(BaseModel):
+    """Tinker's optimizer choice at create time: {"type": "adamw"} or {"type": "dimuon", "version": 1}."""
+
+    type: str = "adamw"
+
+    def check(self, field: str) -> None:
+        """AdamW only: a model asking for another optimizer is refused, never silently given AdamW."""
+        if self.type.lower() not in ("adam", "adamw"):
+            raise HTTPException(400, f"{field}.type: optimizer {self.type[:64]!r} is not supported by this "
+                                     "server; only AdamW ({'type': 'adamw'}, the default) is")
+
+
 class CreateModel(BaseModel):
     session_id: str
     model_seq_id: int = Field(ge=0, le=2**31 - 1)
     base_model: str
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
     user_metadata: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
 
 class ModelRef(BaseModel):
@@ -71,6 +85,7 @@ class SaveWeights(BaseModel):
     sampling_session_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
     ttl_seconds: int | None = Field(default=None, ge=1, le=10 * 365 * 86400)
     overwrite: bool = False
+    user_metadata: dict[str, str] | None = Field(default=None, max_length=64)  # kept on the checkpoint
 
 
 class LoadWeights(BaseModel):
@@ -80,6 +95,7 @@ class LoadWeights(BaseModel):
     seq_id: SeqId | None = None
     session_id: str | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
     model_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
 
 def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
@@ -98,13 +114,14 @@ def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
 @router.post("/create_model")
 def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     owned_session(db, tenant.id, body.session_id)
-    served_model(request, body.base_model)
+    base_model = served_model(request, body.base_model)  # stored by its hub id, whichever alias named it
+    body.optimizer_config.check("optimizer_config")
     cfg = lora_config(body.lora_config, request.app.state.settings.max_lora_rank)
     mid = make_model_id(body.session_id, body.model_seq_id)
     if db.get(TrainingModel, mid) is None:
         quotas.check_new_model(db, tenant.id, cfg.rank)
         db.add(TrainingModel(
-            id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=body.base_model,
+            id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=base_model,
             lora_config=cfg.to_dict(), user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
         ))
         db.flush()
@@ -114,13 +131,18 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
 
 @router.post("/get_info")
 def get_info(body: ModelRef, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    from workers.models.registry import hub_id
+
     row = owned_model(db, tenant.id, body.model_id)
     info = request.app.state.model_info
+    # The hub id, whichever alias created the model: the SDK makes model_name the base model of
+    # its samplers, whose get_tokenizer() loads it by name, and loads tokenizer_id itself; both
+    # from the client's Hugging Face cache (`loraplex tokenizer pull` fills it), never a server path.
+    name = hub_id(row.base_model)
     return {
         "type": "get_info", "model_id": row.id, "is_lora": True, "lora_rank": row.lora_config["rank"],
-        "model_name": row.base_model, "optimizer_config": {"type": "adamw"},
-        # the tokenizer lives in the base model's local folder: the SDK loads it from there, offline
-        "model_data": {"arch": info.arch, "model_name": row.base_model, "tokenizer_id": str(info.path)},
+        "model_name": name, "optimizer_config": {"type": "adamw"},
+        "model_data": {"arch": info.arch, "model_name": name, "tokenizer_id": name},
     }
 
 
@@ -140,6 +162,10 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
     check_owned_model(db, tenant_id, wire.model_id)
     if wire.seq_id < 1:
         raise HTTPException(400, f"seq_id: must be >= 1, got {wire.seq_id}")
+    try:  # stable_reinforce: check the provenance, renew the sequences, add the record to the payload
+        wire, proto = stability.attach_recorded_inputs(db, tenant_id, wire, proto)
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
     engine_request = ForwardBackwardInput(
         wire.model_id, [Datum(d.tokens, dict(d.loss_fn_inputs)) for d in wire.data], wire.loss_fn,
         dict(wire.loss_fn_config), wire.forward_only,
@@ -183,13 +209,13 @@ def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str
     model = owned_model(db, tenant_id, body.model_id)
     quotas.check_storage(db, tenant_id)
     payload: dict[str, Any] = {"kind": "training_state" if dir_kind == "weights" else "sampler",
-                               "ttl_seconds": body.ttl_seconds}
+                               "ttl_seconds": body.ttl_seconds, "user_metadata": body.user_metadata}
     if body.path is None and dir_kind == "sampler_weights":
         if body.sampling_session_seq_id is None:
             raise HTTPException(400, "path or sampling_session_seq_id: one of them is required")
         sid = sampler_id(model.session_id, body.sampling_session_seq_id)
         name = f"snapshot-{body.seq_id}"
-        payload["sampling_session_id"] = sid
+        payload.update(sampling_session_id=sid, ephemeral=True)
     else:
         name = checkpoint_name(body.path or f"ckpt-{body.seq_id}", "path")
     path = TinkerPath(model.id, dir_kind, name)
@@ -220,6 +246,7 @@ def save_weights_for_sampler(body: SaveWeights, request: Request, tenant: Curren
 
 @router.post("/load_weights")
 def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    body.optimizer_config.check("optimizer_config")
     parsed, checkpoint = resolve_checkpoint(db, tenant.id, body.path)
     if parsed.kind != "weights":
         raise HTTPException(400, "path: only training-state checkpoints (tinker://.../weights/...) can be loaded")

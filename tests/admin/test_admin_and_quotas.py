@@ -164,7 +164,7 @@ def test_checkpoint_commands(server, admin, tmp_path, tiny_model_path):
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), dest)
 
     time.sleep(1.2)
-    assert "1 expired checkpoints deleted" in admin("checkpoints", "prune-expired")
+    assert "1 expired checkpoints and 0 ephemeral snapshots deleted" in admin("checkpoints", "prune-expired")
     listing = admin("checkpoints", "list", "--tenant", "gina")
     assert short not in listing and keep in listing
     admin("checkpoints", "delete", keep)

@@ -243,3 +243,8 @@ def test_unpublishing_cuts_off_other_tenants_samplers(server, service_client, ap
     with pytest.raises(tinker.NotFoundError, match="no longer published"):
         greedy(borrowed)
     assert len(greedy(service_client.create_sampling_client(model_path=path).result())) == GREEDY.max_tokens
+
+
+def test_capabilities_say_the_model_samples(server, api_key):
+    (model,) = tinker.RestClient(base_url=server.base_url, api_key=api_key).get_server_capabilities().result().supported_models
+    assert model.model_name == "loraplex/tiny" and model.sampleable and model.trainable

@@ -13,7 +13,7 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from db.models import Request, RequestState
+from db.models import Request, RequestState, TrainingModel
 from scheduler.ordering import QueuedRequest
 from service.embedded import ServerThread, free_port
 from tests.servers import metric
@@ -253,6 +253,37 @@ def test_acknowledged_optim_steps_whose_state_was_not_written_are_replayed(serve
                                                          "adam_params": {"learning_rate": 0.01}})
             assert "metrics" in wait_result(http, opt.json()["request_id"]).json()
         assert_same_as_uninterrupted(second, key, tc.model_id, 7, seeds=[0, 1, 2])
+    finally:
+        second.stop()
+
+
+def test_a_state_written_before_its_step_was_stored_does_not_apply_the_step_twice(server, tmp_path):
+    """The crash window between the state writer publishing a step's state and the scheduler storing
+    that step's outcome: after a restart the step runs again, so it must run on the state before it."""
+    settings = server.settings.model_copy(update={"data_dir": tmp_path, "port": free_port(), "database_url": "",
+                                                  "engine_process": False, "state_write_interval_seconds": 0.0})
+    first = ServerThread(settings)
+    key = first.new_tenant()
+    client = tinker.ServiceClient(base_url=first.base_url, api_key=key)
+    tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    for seed in (0, 1):  # seq_ids 1-4; the state after seq_id 4 is written (interval 0)
+        tc.forward_backward(sft_data(seed), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    first.stop()
+    with first.embedded.sessions() as s:  # as if the server died after the write, before the commit
+        s.execute(sa.update(Request).where(Request.model_id == tc.model_id, Request.seq_id == 4)
+                  .values(state=RequestState.PENDING, result=None, finished_at=None))
+        s.execute(sa.update(TrainingModel).where(TrainingModel.id == tc.model_id).values(last_applied_seq_id=3))
+        s.commit()
+    assert first.embedded.executor.durable_seq(tc.model_id) == 4  # the stored state is ahead of the database
+
+    second = ServerThread(settings.model_copy(update={"port": free_port()}))
+    try:
+        with http_client(second, key) as http:  # seq_id 4 ran again at the restart: once, on the right state
+            pending = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 4,
+                                                             "adam_params": {"learning_rate": 0.01}})
+            assert "metrics" in wait_result(http, pending.json()["request_id"]).json()
+        assert_same_as_uninterrupted(second, key, tc.model_id, 5, seeds=[0, 1])
     finally:
         second.stop()
 

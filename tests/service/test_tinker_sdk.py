@@ -32,12 +32,16 @@ def datum(loss_fn: str, n: int, rng: np.random.Generator) -> types.Datum:
 def test_training_flow_of_the_official_sdk(server, service_client, api_key):
     rng = np.random.default_rng(0)
     tc = service_client.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
-    assert tc.get_info().model_data.model_name == "tiny"
-    assert tc.get_tokenizer().encode("What is 1 + 2?")  # served from the model's local folder, offline
+    assert tc.get_info().model_data.model_name == "loraplex/tiny"  # the hub id; "tiny" is an alias
+    assert tc.get_tokenizer().encode("What is 1 + 2?")  # from the local HF cache the server filled, offline
 
     data = [datum("cross_entropy", 12, rng) for _ in range(3)]
     before = tc.forward(data, "cross_entropy").result()
     for loss_fn in sorted(LOSSES):
+        if loss_fn == "stable_reinforce":  # trains recorded samples only (tests/service/test_stable_reinforce.py)
+            with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_input_spans: stable_reinforce needs"):
+                tc.forward_backward([datum(loss_fn, 9, rng)], loss_fn).result()
+            continue
         out = tc.forward_backward([datum(loss_fn, 9, rng) for _ in range(2)], loss_fn).result()
         assert np.isfinite(out.metrics["loss:sum"]) and len(out.loss_fn_outputs) == 2
         assert out.loss_fn_outputs[0]["logprobs"].shape == [9]
@@ -66,7 +70,7 @@ def test_training_flow_of_the_official_sdk(server, service_client, api_key):
     checkpoints = rest.list_checkpoints(tc.model_id).result().checkpoints
     assert {c.tinker_path for c in checkpoints} == {state_path, sampler_path}
     info = rest.get_weights_info_by_tinker_path(state_path).result()
-    assert info.base_model == "tiny" and info.lora_rank == 8
+    assert info.base_model == "loraplex/tiny" and info.lora_rank == 8
 
 
 def test_bad_request_is_a_clear_4xx(service_client):
@@ -87,7 +91,9 @@ def test_bad_request_is_a_clear_4xx(service_client):
         service_client.create_lora_training_client(base_model="tiny", rank=1000).result()
 
 
-def test_a_server_without_sampler_says_so(service_client):
+def test_a_server_without_sampler_says_so(server, service_client, api_key):
+    (model,) = tinker.RestClient(base_url=server.base_url, api_key=api_key).get_server_capabilities().result().supported_models
+    assert model.trainable and not model.sampleable
     tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
     sampler = tc.save_weights_and_get_sampling_client()
     with pytest.raises(tinker.BadRequestError, match="sampler is disabled"):
@@ -129,3 +135,42 @@ def test_many_waiting_long_polls_do_not_starve_other_requests(server, api_key):
         assert post("create_session", json={"tags": []}).status_code == 200
         assert time.monotonic() - start < 3
         assert all(p.result().json()["type"] == "try_again" for p in polls)
+
+
+def test_an_optimizer_other_than_adamw_is_refused_at_create(service_client):
+    """Never a silent substitute: Dimuon is refused with a 400 naming the field, before a model exists."""
+    with pytest.raises(tinker.BadRequestError, match="optimizer_config.type: optimizer 'dimuon' is not supported"):
+        service_client.create_lora_training_client(base_model="tiny", rank=4,
+                                                   optimizer=types.DimuonOptimizerConfig()).result()
+
+
+def test_checkpoints_keep_their_user_metadata(server, service_client, api_key):
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+    tc.save_state("tagged", user_metadata={"renderer_name": "role_colon", "step": "7"}).result()
+    rest = tinker.RestClient(base_url=server.base_url, api_key=api_key)
+    (checkpoint,) = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert checkpoint.user_metadata == {"renderer_name": "role_colon", "step": "7"}
+
+
+def test_publish_and_unpublish_are_idempotent(server, service_client, api_key):
+    """A repeated call succeeds at once: the SDK retries a 409 for five minutes before raising it."""
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+    path = tc.save_state("twice").result().path
+    rest = tinker.RestClient(base_url=server.base_url, api_key=api_key)
+    start = time.monotonic()
+    for _ in range(2):
+        rest.publish_checkpoint_from_tinker_path(path).result()
+    assert [c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [True]
+    for _ in range(2):
+        rest.unpublish_checkpoint_from_tinker_path(path).result()
+    assert [c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == [False]
+    assert time.monotonic() - start < 5
+
+
+def test_an_unsupported_feature_is_named_and_the_model_goes_on(service_client):
+    tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="save_weights_external .*not supported"):
+        tc.save_weights_external("export").result()
+    start = time.monotonic()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # its seq_id comes after the refused one
+    assert time.monotonic() - start < 5

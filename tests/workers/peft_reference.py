@@ -6,6 +6,8 @@ purpose independently of workers/trainer/losses.py, so a mistake in one shows up
 
 from __future__ import annotations
 
+import math
+
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
@@ -47,6 +49,8 @@ def reference_loss(loss_fn: str, tlp, inputs: dict, config: dict) -> torch.Tenso
     """Loss of ONE datum, exactly as the protocol's table writes it."""
     if loss_fn == "cross_entropy":
         return (-tlp * inputs.get("weights", torch.ones_like(tlp))).sum()
+    if loss_fn == "stable_reinforce":
+        return stable_reinforce_reference(tlp, inputs, config)
     slp, adv = inputs["logprobs"], inputs["advantages"]
     if loss_fn == "importance_sampling":
         return -(torch.exp(tlp - slp) * adv).sum()
@@ -70,6 +74,28 @@ def reference_loss(loss_fn: str, tlp, inputs: dict, config: dict) -> torch.Tenso
     raise ValueError(loss_fn)
 
 
+def stable_reinforce_reference(tlp, inputs: dict, config: dict) -> torch.Tensor:
+    """stable_reinforce of ONE datum as docs/losses.md writes it, one token at a time, in Python floats
+    wherever no gradient is needed (the importance weight, the sequence's drift)."""
+    cap = config.get("clip_high_threshold", 2.0)
+    bound = config.get("sequence_ratio_threshold", 2.0)
+    kl_coeff = config.get("kl_coeff", 0.0)
+    sequence = [int(v) for v in inputs["recorded_sequence"]]
+    q = [float(v) for v in inputs["recorded_logprobs"]]
+    adv = [float(v) for v in inputs["advantages"]]
+    total = torch.zeros(())
+    for t, k in enumerate(sequence):
+        if k == 0:  # not a sampled token: no loss
+            continue
+        same = [u for u, other in enumerate(sequence) if other == k]
+        drift = sum(float(tlp[u].detach()) - q[u] for u in same) / len(same)
+        if abs(drift) > math.log(bound):  # the sequence drifted too far from its sampler: dropped
+            continue
+        weight = min(math.exp(float(tlp[t].detach()) - q[t]), cap)
+        total = total - weight * adv[t] * tlp[t] + 0.5 * kl_coeff * (tlp[t] - q[t]) ** 2
+    return total
+
+
 def random_datum(loss_fn: str, n: int, gen: torch.Generator, vocab: int, k: int | None = None):
     """A datum of n positions with plausible inputs for `loss_fn` (sampler logprobs near the tiny model's)."""
     from workers.trainer.batch import Datum
@@ -83,6 +109,18 @@ def random_datum(loss_fn: str, n: int, gen: torch.Generator, vocab: int, k: int 
     shape = inputs["target_tokens"].shape
     if loss_fn == "cross_entropy":
         inputs["weights"] = torch.rand(shape, generator=gen) * (torch.rand(shape, generator=gen) > 0.2)
+    elif loss_fn == "stable_reinforce":
+        # rows [0, p) prompt, then two sampled sequences; the second's sampler logprobs are far above the
+        # model's, so it is dropped. The client's `logprobs` differ from the record: the loss must ignore them.
+        p, cut = n // 3, n // 3 + (n - n // 3) // 2
+        sequence = torch.zeros(n)
+        sequence[p:cut], sequence[cut:] = 1, 2
+        recorded = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn(n, generator=gen)
+        recorded[cut:] += 3.0
+        inputs["recorded_logprobs"] = torch.where(sequence > 0, recorded, torch.zeros(n))
+        inputs["recorded_sequence"] = sequence
+        inputs["advantages"] = torch.randn(n, generator=gen) * (sequence > 0)
+        inputs["logprobs"] = torch.randn(n, generator=gen)
     else:
         # near log(1/vocab) so ratios straddle the clip bounds
         inputs["logprobs"] = -torch.log(torch.tensor(float(vocab))) + 0.3 * torch.randn(n, generator=gen)

@@ -39,7 +39,7 @@ def full_logprobs(engine: TrainerEngine, adapter_id: str, tokens: torch.Tensor) 
 def test_sampler_weights_load_in_peft_with_identical_logits(trained, tmp_path):
     folder = trained.save_sampler_weights("t", tmp_path / "sampler" / "v1")
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                        "loraplex.json"]
+                                                        "loraplex.json", "manifest.json"]
     assert read_snapshot_metadata(folder) == {"policy_version": trained.adapter("t").step, "adapter_id": "t"}
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and set(config["target_modules"]) >= {"q_proj", "lm_head"}

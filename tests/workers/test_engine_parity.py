@@ -58,6 +58,8 @@ def requests_for(loss_fn: str, vocab: int, seed: int, adapters) -> list[ForwardB
         if k:  # one (N, K) datum: several targets per position
             data.append(random_datum(loss_fn, 6, gen, vocab, k=k))
         config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1} if loss_fn in ("ppo", "gspo") else None
+        if loss_fn == "stable_reinforce":  # a cap that some ratios pass, and the penalty term on
+            config = {"clip_high_threshold": 1.1, "kl_coeff": 0.3}
         reqs.append(ForwardBackwardInput(adapter_id, data, loss_fn, config))
     return reqs
 

@@ -25,6 +25,7 @@ from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
 from workers.trainer.adapters import AdamParams, LoraConfig
 from workers.trainer.batch import Datum, ForwardBackwardInput
+from workers.trainer.checkpoints import write_snapshot_manifest
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.errors import EngineError
 
@@ -129,6 +130,7 @@ def test_a_diverged_adapter_is_refused_and_changes_no_one_elses_tokens(engine, s
     weights = {k: v.clone() for k, v in weights.items()}
     next(iter(weights.values()))[0, 0] = float("nan")
     save_file(weights, diverged / "adapter_model.safetensors")
+    write_snapshot_manifest(diverged)  # as the trainer saves diverged weights (else the file reads as corrupt)
     alone = run(engine, [job("base", None), job("bob", snapshots["bob"])])
     callback_threads: set[str] = set()
     together = run(engine, [job("nan", str(diverged)), job("base", None), job("bob", snapshots["bob"])],

@@ -29,11 +29,14 @@ from loraplex.wire.codec import SampledSequenceWire
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
+from workers.sampler.snapshot_check import check_snapshot
 from workers.trainer.errors import EngineError, InvalidInputError
 
 log = logging.getLogger(__name__)
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+# (no location in it: a snapshot's storage path holds its tenant's id)
+SNAPSHOT_GONE = "the snapshot's weights are gone (the checkpoint was deleted or expired)"
 Callback = Callable[[str, SampleResult | EngineError], None]
 
 # Prometheus metrics (served at GET /metrics; see scheduler/metrics.py)
@@ -225,8 +228,8 @@ class SamplerEngine:
             return self._loras[location]
         folder = self._folders.get(location) or store.local_folder(location)
         if folder is None:
-            raise InvalidInputError("sampling_session_id", f"the snapshot's weights are gone ({location})")
-        _refuse_non_finite_weights(Path(folder))
+            raise InvalidInputError("sampling_session_id", SNAPSHOT_GONE)
+        check_snapshot(Path(folder))  # its files match their manifest, its weights are finite
         lora_id = next(self._next_lora_id)
         request = LoRARequest(f"snapshot-{lora_id}", lora_id, str(folder))
         self._engine.add_lora(request)  # load now: a broken folder fails this job, not the batch
@@ -258,10 +261,10 @@ class SamplerEngine:
                 self._folders[location] = result
             for job, on_done in self._downloading.pop(location, []):
                 if result is None:
-                    self._fail_unrun(job.request_id, InvalidInputError(
-                        "sampling_session_id", f"the snapshot's weights are gone ({location})"))
+                    self._fail_unrun(job.request_id, InvalidInputError("sampling_session_id", SNAPSHOT_GONE))
                 elif isinstance(result, Exception):
-                    self._fail_unrun(job.request_id, EngineError(f"sampling failed: downloading the snapshot: {result}"))
+                    self._fail_unrun(job.request_id, EngineError(  # (its text may name the store location)
+                        f"sampling failed: downloading the snapshot failed ({type(result).__name__})"))
                 else:
                     self._add(job, on_done)
 
@@ -350,19 +353,3 @@ class SamplerEngine:
                 return
             self._callbacks[job.request_id] = (job, on_done)
             self._finish(job.request_id, EngineError(message))
-
-
-def _refuse_non_finite_weights(folder: Path) -> None:
-    """A diverged adapter (NaN or inf weights) is not sampled: its rows would only hold garbage,
-    and NaN left in the KV cache blocks it used reached other tenants' later requests through
-    vLLM's CPU attention (seen with the tiny model: a base request's prompt logprobs turned NaN)."""
-    from safetensors import safe_open
-
-    weights = folder / "adapter_model.safetensors"
-    if not weights.exists():
-        return  # vLLM reports the missing file itself
-    with safe_open(str(weights), framework="pt") as f:
-        for name in f.keys():
-            if not f.get_tensor(name).isfinite().all():
-                raise InvalidInputError(
-                    "sampling_session_id", f"the adapter's weights hold NaN or inf ({name}): the training run diverged")

@@ -35,6 +35,10 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None  # only the last n prompt positions are scored
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    # record_stability_info: the sequence ids (as asample answered) to record the samples under, for
+    # stable_reinforce (scheduler/stability.py); empty: nothing is recorded
+    recorded_sequence_ids: tuple[str, ...] = ()
+    policy_version: int | None = None  # optimizer steps of the snapshot; None: the base model
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -44,7 +48,9 @@ class SampleJob:
         d = json.loads(raw)
         opts = d.pop("options")
         opts["stop_strings"], opts["stop_token_ids"] = tuple(opts["stop_strings"]), tuple(opts["stop_token_ids"])
-        return cls(**{**d, "prompt": tuple(d["prompt"]), "options": SamplingOptions(**opts)})
+        ids = tuple(d.pop("recorded_sequence_ids", ()))  # absent from jobs stored before it existed
+        return cls(**{**d, "prompt": tuple(d["prompt"]), "options": SamplingOptions(**opts),
+                      "recorded_sequence_ids": ids})
 
 
 @dataclass

@@ -37,12 +37,18 @@ class ForwardBackwardInput:
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
     forward_only: bool = False
+    # Its datums take engine passes of their own, cut as if it ran alone: a part of a request run in
+    # parts (workers/trainer/parts.py) then gets the bits the whole request gets alone.
+    own_passes: bool = False
 
 
 @dataclass
 class ForwardBackwardOutput:
     loss_fn_outputs: list[dict[str, Tensor]]  # per datum, e.g. {"logprobs": float32 [N] or [N, K]}
     metrics: dict[str, float]  # "name:reduction", e.g. "loss:sum"
+    # each engine pass's metrics of this request and its datums there, in order: `metrics` is their
+    # merge, and parts of a request merge the same way (workers/trainer/parts.py)
+    pass_metrics: list[tuple[dict[str, float], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,7 +69,8 @@ def split_into_passes(requests: list[PreparedRequest], max_tokens: int,
     """Cut a batch into passes of at most `max_tokens` packed rows, at datum boundaries (a longer
     datum gets a pass of its own). A datum that shares its first rows with its group's leader in
     the same pass costs only its own rows (`shared_prefix`, as `pack` lays them out). Losses are
-    sums over datums, so the pieces' results add up exactly."""
+    sums over datums, so the pieces' results add up exactly. A request with `own_passes` shares
+    no pass with another: its passes are those it gets alone."""
     passes: list[list[PreparedRequest]] = []
     current: list[PreparedRequest] = []
     used = 0
@@ -72,6 +79,9 @@ def split_into_passes(requests: list[PreparedRequest], max_tokens: int,
         return replace(r, tokens=r.tokens[start:end], inputs=r.inputs[start:end], datum_ids=list(range(start, end)))
 
     for r in requests:
+        if r.request.own_passes and current:
+            passes.append(current)
+            current, used = [], 0
         start, leader = 0, None  # r's piece in the current pass begins at datum `start`
         for d, t in enumerate(r.tokens):
             shared = shared_length(leader, t, min_shared)
@@ -84,6 +94,9 @@ def split_into_passes(requests: list[PreparedRequest], max_tokens: int,
                 leader = t
             used += t.numel() - shared
         current.append(piece(r, start, len(r.tokens)))
+        if r.request.own_passes:
+            passes.append(current)
+            current, used = [], 0
     if current:
         passes.append(current)
     return passes
@@ -124,6 +137,8 @@ def _validate_config(loss_fn: str, spec: LossSpec, config: dict[str, Any] | None
         merged[key] = float(value)
     if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
         raise InvalidInputError("loss_fn_config", "clip_low_threshold must not exceed clip_high_threshold")
+    if spec.check_config is not None:
+        spec.check_config(merged)
     return merged
 
 
@@ -137,11 +152,16 @@ def _validate_datum(i: int, datum: Datum, loss_fn: str, spec: LossSpec, vocab_si
 
     allowed = set(spec.required_inputs) | set(spec.optional_inputs)
     for key in datum.loss_fn_inputs:
-        if key not in allowed:
+        if key not in allowed | set(spec.server_inputs):
             raise InvalidInputError(f"data[{i}].loss_fn_inputs[{key!r}]", f"not an input of {loss_fn} (inputs: {sorted(allowed)})")
     for key in spec.required_inputs:
         if key not in datum.loss_fn_inputs:
             raise InvalidInputError(f"data[{i}].loss_fn_inputs[{key!r}]", f"required by {loss_fn} but missing")
+    if any(key not in datum.loss_fn_inputs for key in spec.server_inputs):  # the server resolves provenance first
+        raise InvalidInputError(
+            f"data[{i}].loss_fn_input_spans", f"{loss_fn} needs provenance: sample with record_stability_info=True "
+            "and name each row's sampled sequence (Datum.with_provenance)")
+    allowed |= set(spec.server_inputs)
 
     where = f"data[{i}].loss_fn_inputs['target_tokens']"
     targets = _token_ids(datum.loss_fn_inputs["target_tokens"], where, vocab_size)
@@ -167,6 +187,8 @@ def _validate_datum(i: int, datum: Datum, loss_fn: str, spec: LossSpec, vocab_si
         else:
             t = torch.full(targets.shape, spec.optional_inputs[key], dtype=torch.float32)
         inputs[key] = t
+    if spec.check_datum is not None:
+        spec.check_datum(i, inputs)
     return tokens, inputs
 
 

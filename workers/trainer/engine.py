@@ -36,6 +36,7 @@ from workers.trainer.errors import EngineError, InvalidInputError, UnknownAdapte
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
 from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
+from workers.trainer.parts import merge_metrics
 from workers.trainer.pass_losses import pass_losses
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 from workers.trainer.stacked_adapters import StackedAdapters
@@ -142,16 +143,16 @@ class TrainerEngine:
         """Run the batch in passes of at most `max_pass_tokens` tokens (gradients accumulate
         across passes as across calls) and put each request's pieces back together."""
         logprobs = {p.index: [None] * len(p.tokens) for p in prepared}
-        losses = {p.index: 0.0 for p in prepared}
+        pass_metrics: dict[int, list[tuple[dict[str, float], int]]] = {p.index: [] for p in prepared}
         for pieces in split_into_passes(prepared, self.max_pass_tokens, self.min_shared_prefix):
             for piece, out in zip(pieces, self._pass(pieces)):
-                losses[piece.index] += out.metrics["loss:sum"]
+                pass_metrics[piece.index].append((out.metrics, len(piece.datum_ids)))
                 for d, lp in zip(piece.datum_ids, out.loss_fn_outputs):
                     logprobs[piece.index][d] = lp
             if self.between_passes is not None:
                 self.between_passes()
         return [
-            ForwardBackwardOutput(loss_fn_outputs=logprobs[p.index], metrics={"loss:sum": losses[p.index]})
+            ForwardBackwardOutput(logprobs[p.index], merge_metrics(pass_metrics[p.index]), pass_metrics[p.index])
             for p in prepared
         ]
 

@@ -6,14 +6,16 @@ The names are Tinker's, so a notebook ports by changing one import::
     from loraplex import types
 
     service = loraplex.ServiceClient()          # LORAPLEX_BASE_URL / LORAPLEX_API_KEY, or arguments
-    training = service.create_lora_training_client("tiny", rank=8)
+    training = service.create_lora_training_client("loraplex/tiny", rank=8)
     training.forward_backward(data, "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
     sampler = training.save_weights_and_get_sampling_client()
     sampler.sample(prompt, num_samples=4, sampling_params=types.SamplingParams(max_tokens=32)).result()
 
 Every call returns an APIFuture (`.result()` or `await`); every method has an `_async` twin.
-:mod:`loraplex.wire` holds the wire format, shared with the server.
+:mod:`loraplex.wire` holds the wire format, shared with the server. `pull_tokenizer(base_url, api_key,
+model)` (console script: `loraplex tokenizer pull MODEL`) puts a base model's tokenizer into the local
+Hugging Face cache, for loaders that take a hub id (tinker's `get_tokenizer()`, tinker-cookbook).
 """
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ from loraplex.rest_client import RestClient  # noqa: E402
 from loraplex.rl import check_sequence_extension, prefix_overlap  # noqa: E402
 from loraplex.sampling_client import SamplingClient  # noqa: E402
 from loraplex.service_client import ServiceClient  # noqa: E402
+from loraplex.tokenizers import PulledTokenizer, pull_tokenizer  # noqa: E402
 from loraplex.training_client import SaveWeightsResponse, TrainingClient  # noqa: E402
 from loraplex.types import (  # noqa: E402
     AdamParams, Datum, ModelInput, SampledSequence, SampleResponse, SamplingParams, TensorData,
@@ -36,7 +39,7 @@ from loraplex.types import (  # noqa: E402
 __all__ = [
     "APIConnectionError", "APIFuture", "APIStatusError", "AdamParams", "AuthenticationError", "BadRequestError",
     "Datum", "InternalServerError", "LoraplexError", "ModelInput", "NotFoundError", "PermissionDeniedError",
-    "RateLimitError", "RequestFailedError", "RestClient", "SampleResponse", "SampledSequence", "SamplingClient",
-    "SamplingParams", "SaveWeightsResponse", "ServiceClient", "TensorData", "TrainingClient",
-    "check_sequence_extension", "prefix_overlap", "types",
+    "PulledTokenizer", "RateLimitError", "RequestFailedError", "RestClient", "SampleResponse", "SampledSequence",
+    "SamplingClient", "SamplingParams", "SaveWeightsResponse", "ServiceClient", "TensorData", "TrainingClient",
+    "check_sequence_extension", "prefix_overlap", "pull_tokenizer", "types",
 ]

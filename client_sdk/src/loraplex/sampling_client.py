@@ -46,6 +46,12 @@ class SamplingClient:
         return SampleResponse(sequences, decoded["prompt_logprobs"], decoded["topk_prompt_logprobs"],
                               decoded["prompt_cache_hit_tokens"])
 
+    def get_tokenizer(self):
+        """The base model's tokenizer, as TrainingClient.get_tokenizer (pulled into the local cache)."""
+        from loraplex.tokenizers import load_tokenizer
+
+        return load_tokenizer(self.service.config, self.base_model)
+
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """log p(token i | tokens before it) for every prompt position (None at position 0)."""
         return APIFuture(self.service.transport, self._logprobs(prompt), f"logprobs of {prompt.length} tokens")

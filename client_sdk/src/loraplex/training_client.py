@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -153,8 +152,11 @@ class TrainingClient:
         return self.service.call("POST", "/get_info", {"model_id": self.model_id, "type": "get_info"})
 
     def get_tokenizer(self):
-        """The base model's tokenizer (needs transformers; the server names a local folder)."""
-        return _load_tokenizer(self.get_info()["model_data"]["tokenizer_id"])
+        """The base model's tokenizer (needs transformers), pulled from the server into the local
+        Hugging Face cache under its hub id if it is not there yet (loraplex.tokenizers)."""
+        from loraplex.tokenizers import load_tokenizer
+
+        return load_tokenizer(self.service.config, self.get_info()["model_data"]["tokenizer_id"])
 
     # --- async twins: the same calls, awaitable from an event loop --------------------------------
 
@@ -184,15 +186,3 @@ class TrainingClient:
 
         return await asyncio.to_thread(self.save_weights_and_get_sampling_client, name)
 
-
-_tokenizer_lock = threading.Lock()
-
-
-def _load_tokenizer(path: str):
-    # One at a time: importing transformers from several threads at once fails in its lazy
-    # module loader ("cannot import name 'AutoTokenizer'"), as concurrent notebook runs do.
-    # Each caller gets its own tokenizer: a fast tokenizer shared between threads can fail.
-    with _tokenizer_lock:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,37 @@
+"""Tinker routes this server does not serve: a clear 400 naming the feature, instead of a bare 404.
+
+A 400 is final for the SDK (it retries 408, 409, 429 and 5xx for five minutes), and the request guard
+releases the seq_id of a refused training request (api/refusals.py), so the model goes on.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+
+from api.deps import CurrentTenant
+
+router = APIRouter()
+
+UNSUPPORTED = {
+    ("POST", "/save_weights_external"): "save_weights_external (HF-format export): not supported by this server; "
+                                        "save_weights_for_sampler writes a PEFT folder, which `loraplex-admin "
+                                        "checkpoints export` copies out",
+    ("POST", "/copy_weights"): "copy_weights: not supported by this server",
+    ("POST", "/create_custom_loss"): "create_custom_loss (server-side custom losses): not supported by this server; "
+                                     "the SDK's client-side forward_backward_custom works",
+    ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls"):
+        "external_weights_urls: this server has no external_weights checkpoints",
+    ("PUT", "/sessions/{session_id}/project"): "assign_session_project: projects are not supported by this server",
+    ("GET", "/sessions/{session_id}/trace_export"): "export_session_trace: not supported by this server",
+    ("POST", "/sessions/search"): "search_sessions: not supported by this server; list_sessions and get_session are",
+}
+
+
+def _refuse(message: str):
+    def refuse(_: CurrentTenant) -> None:  # authenticated like every route: no key is a 401
+        raise HTTPException(400, message)
+    return refuse
+
+
+for (method, path), message in UNSUPPORTED.items():
+    router.add_api_route(path, _refuse(message), methods=[method], include_in_schema=False)

@@ -1,0 +1,153 @@
+"""One valid request per route of the app, keyed by (method, path) exactly as the app's route table
+spells them, and who may call it. The authorization matrix runs every route the app has: a route
+missing here fails it, so whoever adds a route also says how to call it and who may."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from api.app import create_app
+from service.settings import Settings
+from tests.reliability.client import PROTOBUF, forward_backward_body
+from tests.reliability.world import World
+
+PUBLIC, TENANT, OWNED = "public", "tenant", "owned"
+V1 = "/api/v1"
+CHECKPOINT = f"{V1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}"
+
+
+@dataclass(frozen=True)
+class Example:
+    """`access`: PUBLIC (anyone, no key), TENANT (the caller's own data; names no resource) or OWNED
+    (names the owner's resources). `params(world)`: the path parameters; `body(world, seq_id)`: a
+    JSON body, or bytes (a protobuf); `seq_id` is the owner model's seq id reserved for the route.
+    `owner_status`: what the owner (on PUBLIC and TENANT routes: anyone served) gets;
+    `other_status`: what another tenant gets on an OWNED route, worded as for an id of nobody."""
+
+    access: str
+    params: Callable[[World], dict[str, str]] = lambda w: {}
+    body: Callable[[World, int], Any] | None = None
+    owner_status: frozenset[int] = frozenset({200})
+    other_status: frozenset[int] = frozenset({404})
+    needs_sampler: bool = False  # served only where vLLM runs
+
+
+def call_of(route: tuple[str, str], example: Example, world: World, seq_id: int) -> dict[str, Any]:
+    """httpx.request's arguments for `example` of `route`: the path template filled in, the body."""
+    method, path = route
+    params = example.params(world)
+    call: dict[str, Any] = {"method": method, "url": re.sub(r"{(\w+)(:\w+)?}", lambda m: params[m[1]], path)}
+    body = example.body(world, seq_id) if example.body else None
+    if isinstance(body, bytes):
+        call |= {"content": body, "headers": PROTOBUF}
+    elif body is not None:
+        call["json"] = body
+    return call
+
+
+def checkpoint(tinker_path: str) -> dict[str, str]:
+    run_id, kind, name = tinker_path.removeprefix("tinker://").split("/")
+    return {"run_id": run_id, "checkpoint_id": f"{kind}/{name}"}
+
+
+def fixed(body: dict[str, Any]) -> Callable[[World, int], Any]:
+    return lambda w, seq: body
+
+
+SDK = {"sdk_version": "0.38.0"}
+SAMPLE = {"num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+          "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+# Tinker routes the server answers with 400 "not supported" (api/routes/unsupported.py): still
+# after authentication, and the same answer for another tenant's ids as for ids of nobody.
+NOT_SUPPORTED = {"owner_status": frozenset({400}), "other_status": frozenset({400})}
+
+EXAMPLES: dict[tuple[str, str], Example] = {
+    # FastAPI's documentation, metrics, and the calls the SDK makes before it has a session
+    ("GET", "/openapi.json"): Example(PUBLIC),
+    ("GET", "/docs"): Example(PUBLIC),
+    ("GET", "/docs/oauth2-redirect"): Example(PUBLIC),
+    ("GET", "/redoc"): Example(PUBLIC),
+    ("GET", "/metrics"): Example(PUBLIC),
+    ("POST", f"{V1}/client/config"): Example(PUBLIC, body=fixed(SDK)),
+    ("POST", f"{V1}/client/dynamic_config"): Example(PUBLIC, body=fixed(SDK)),
+    ("GET", f"{V1}/healthz"): Example(PUBLIC),
+    ("GET", f"{V1}/get_server_capabilities"): Example(PUBLIC),
+
+    ("POST", f"{V1}/telemetry"): Example(TENANT, body=fixed({"events": [], **SDK})),
+    ("POST", f"{V1}/create_session"): Example(TENANT, body=fixed({"tags": [], "user_metadata": {}, **SDK})),
+    ("GET", f"{V1}/sessions"): Example(TENANT),
+    ("GET", f"{V1}/training_runs"): Example(TENANT),
+    ("GET", f"{V1}/checkpoints"): Example(TENANT),
+    # the served base model's tokenizer files: any tenant's, none of them tenant data
+    ("GET", f"{V1}/tokenizers/{{model:path}}/files"): Example(TENANT, lambda w: {"model": "tiny"}),
+    ("GET", f"{V1}/tokenizers/{{model:path}}/files/{{filename}}"): Example(
+        TENANT, lambda w: {"model": "tiny", "filename": "tokenizer_config.json"}),
+
+    ("POST", f"{V1}/session_heartbeat"): Example(OWNED, body=lambda w, seq: {"session_id": w.ids.session}),
+    ("POST", f"{V1}/sessions/{{session_id}}/finish"): Example(
+        OWNED, lambda w: {"session_id": w.ids.spare_session}, fixed({"reason": {"type": "success"}, "detail": None})),
+    ("GET", f"{V1}/sessions/{{session_id}}"): Example(OWNED, lambda w: {"session_id": w.ids.session}),
+    ("POST", f"{V1}/create_model"): Example(OWNED, body=lambda w, seq: {
+        "session_id": w.ids.session, "model_seq_id": 1, "base_model": "tiny", "lora_config": {"rank": 4, "seed": 3}}),
+    ("POST", f"{V1}/get_info"): Example(OWNED, body=lambda w, seq: {"model_id": w.ids.model}),
+    ("POST", f"{V1}/forward_backward"): Example(OWNED, body=lambda w, seq: forward_backward_body(w.ids.model, seq)),
+    ("POST", f"{V1}/optim_step"): Example(OWNED, body=lambda w, seq: {
+        "model_id": w.ids.model, "seq_id": seq, "adam_params": {"learning_rate": 1e-3}}),
+    ("POST", f"{V1}/save_weights"): Example(OWNED, body=lambda w, seq: {
+        "model_id": w.ids.model, "seq_id": seq, "path": "matrix"}),
+    ("POST", f"{V1}/save_weights_for_sampler"): Example(OWNED, body=lambda w, seq: {
+        "model_id": w.ids.model, "seq_id": seq, "path": "matrix"}),
+    ("POST", f"{V1}/load_weights"): Example(OWNED, body=lambda w, seq: {
+        "path": w.ids.checkpoint, "session_id": w.ids.session, "model_seq_id": 2}),
+    ("POST", f"{V1}/weights_info"): Example(OWNED, body=lambda w, seq: {"tinker_path": w.ids.checkpoint}),
+    ("POST", f"{V1}/retrieve_future"): Example(OWNED, body=lambda w, seq: {"request_id": w.ids.request}),
+    ("POST", f"{V1}/create_sampling_session"): Example(OWNED, body=lambda w, seq: {
+        "session_id": w.ids.session, "sampling_session_seq_id": 1, "model_path": w.ids.sampler_weights}),
+    ("GET", f"{V1}/samplers/{{sampling_session_id}}"): Example(OWNED, lambda w: {"sampling_session_id": w.ids.sampler}),
+    ("POST", f"{V1}/asample"): Example(OWNED, body=lambda w, seq: {"sampling_session_id": w.ids.sampler, "seq_id": seq,
+                                                                  **SAMPLE}, needs_sampler=True),
+    ("GET", f"{V1}/training_runs/{{run_id}}"): Example(OWNED, lambda w: {"run_id": w.ids.model}),
+    ("GET", f"{V1}/training_runs/{{run_id}}/checkpoints"): Example(OWNED, lambda w: {"run_id": w.ids.model}),
+    # publish and unpublish toggle one checkpoint: the owner's second call of either may find it done (409)
+    ("POST", f"{CHECKPOINT}/publish"): Example(OWNED, lambda w: checkpoint(w.ids.publish_checkpoint),
+                                               owner_status=frozenset({200, 409})),
+    ("DELETE", f"{CHECKPOINT}/publish"): Example(OWNED, lambda w: checkpoint(w.ids.publish_checkpoint),
+                                                 owner_status=frozenset({200, 409})),
+    ("PUT", f"{CHECKPOINT}/ttl"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint), fixed({"ttl_seconds": 7200})),
+    ("GET", f"{CHECKPOINT}/archive"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint)),
+    ("DELETE", CHECKPOINT): Example(OWNED, lambda w: checkpoint(w.ids.delete_checkpoint)),
+
+    ("POST", f"{V1}/save_weights_external"): Example(OWNED, body=lambda w, seq: {
+        "model_id": w.ids.model, "seq_id": seq, "path": "external"}, **NOT_SUPPORTED),
+    ("POST", f"{V1}/copy_weights"): Example(OWNED, body=lambda w, seq: {
+        "source_path": w.ids.checkpoint, "model_id": w.ids.model}, **NOT_SUPPORTED),
+    ("POST", f"{V1}/create_custom_loss"): Example(OWNED, body=lambda w, seq: {"model_id": w.ids.model}, **NOT_SUPPORTED),
+    ("GET", f"{CHECKPOINT}/external_weights_urls"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint), **NOT_SUPPORTED),
+    ("PUT", f"{V1}/sessions/{{session_id}}/project"): Example(
+        OWNED, lambda w: {"session_id": w.ids.session}, fixed({"project_id": "p"}), **NOT_SUPPORTED),
+    ("GET", f"{V1}/sessions/{{session_id}}/trace_export"): Example(
+        OWNED, lambda w: {"session_id": w.ids.session}, **NOT_SUPPORTED),
+    ("POST", f"{V1}/sessions/search"): Example(TENANT, body=fixed({"user_metadata": {}, "limit": 50}),
+                                               owner_status=frozenset({400})),
+}
+
+
+def bare_app():
+    """The app as create_app builds it, without a server behind it (its route table is all the
+    matrix needs at collection time; the matrix checks the running server's table is the same)."""
+    return create_app(settings=Settings(), sessions_factory=None, scheduler=None, notifier=None,
+                      model_info=SimpleNamespace(name="tiny"))
+
+
+def route_table(app) -> list[tuple[str, str]]:
+    """(method, path) of every route of `app`. Starlette adds HEAD to each GET route: it is left out."""
+    table = []
+    for route in app.routes:
+        methods = set(getattr(route, "methods", None) or {type(route).__name__})  # a mount or websocket: no methods
+        if "GET" in methods:
+            methods.discard("HEAD")
+        table += [(method, route.path) for method in sorted(methods)]
+    return table

@@ -1,0 +1,113 @@
+"""What the authorization matrix acts on: five callers (the owner, another tenant, no key, the
+owner's revoked key, a disabled tenant's key) and the owner's resources of every kind a route can
+name: sessions, a trained model, training and sampler checkpoints, a sampler, a finished request.
+
+Tenants and keys come from service/tenants.py; revoking a key and disabling a tenant go through
+`loraplex-admin` (admin/cli.py), the operator's commands, since service/tenants.py has no function
+for either.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass, fields, replace
+
+from typer.testing import CliRunner
+
+from admin.cli import app as admin_app
+from db.models import new_id
+from service.tenants import create_tenant, issue_key
+from tests.reliability.client import Api
+
+IDENTITIES = ("none", "revoked", "disabled", "other", "owner")  # the owner last: its calls may change state
+
+
+@dataclass(frozen=True)
+class Ids:
+    """The owner's resource ids, by name."""
+
+    session: str
+    spare_session: str  # finished by the matrix
+    model: str
+    request: str  # a finished forward_backward
+    checkpoint: str  # tinker://<model>/weights/c1
+    publish_checkpoint: str  # published and unpublished by the matrix
+    delete_checkpoint: str  # deleted by the matrix
+    sampler_weights: str  # tinker://<model>/sampler_weights/sw
+    sampler: str
+
+    def missing(self) -> "Ids":
+        """Ids of the same form that name nothing: another tenant must not tell them from ours."""
+        session, spare = new_id(), new_id()
+        model = f"{session}:train:0"
+        return Ids(session=session, spare_session=spare, model=model, request=new_id(),
+                   checkpoint=f"tinker://{model}/weights/c1", publish_checkpoint=f"tinker://{model}/weights/pub",
+                   delete_checkpoint=f"tinker://{model}/weights/del",
+                   sampler_weights=f"tinker://{model}/sampler_weights/sw", sampler=f"{session}:sample:0")
+
+    def normalize(self, text: str) -> str:
+        """`text` with every id replaced by its name (longest first: a model id holds its session id)."""
+        for name, value in sorted(((f.name, getattr(self, f.name)) for f in fields(self)), key=lambda p: -len(p[1])):
+            text = text.replace(value, f"<{name}>")
+        return text
+
+    def values(self) -> list[str]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+@dataclass
+class World:
+    base_url: str
+    keys: dict[str, str | None]  # identity -> API key
+    ids: Ids
+    owner_tenant_id: str
+    seq: itertools.count  # the owner model's next seq ids (the matrix's requests take them)
+
+    def api(self, identity: str) -> Api:
+        return Api(self.base_url, self.keys[identity])
+
+    def with_ids(self, ids: Ids) -> "World":
+        return replace(self, ids=ids)
+
+
+def admin(data_dir, *args: str) -> str:
+    """`loraplex-admin ARGS` on the server's database, asserting success."""
+    result = CliRunner().invoke(admin_app, list(args), env={"LORAPLEX_DATA_DIR": str(data_dir), "COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def build_world(server) -> World:
+    """Tenants, keys and the owner's resources on `server` (a ServerThread), over HTTP."""
+    suffix = uuid.uuid4().hex[:6]
+    with server.embedded.sessions() as s:
+        owner, owner_key = create_tenant(s, f"owner-{suffix}")
+        revoked_key = issue_key(s, owner)
+        _, other_key = create_tenant(s, f"other-{suffix}")
+        _, disabled_key = create_tenant(s, f"disabled-{suffix}")
+        owner_id = owner.id
+    admin(server.settings.data_dir, "keys", "revoke", revoked_key[:12])
+    admin(server.settings.data_dir, "tenants", "disable", f"disabled-{suffix}")
+
+    api = Api(server.base_url, owner_key)
+    session, spare = api.new_session(), api.new_session()
+    model = api.create_model(session)
+    request = api.forward_backward(model, 1)
+    pending = [request, api.optim_step(model, 2)]
+    for seq, name in ((3, "c1"), (4, "pub"), (5, "del")):
+        pending.append(api.accept("save_weights", json={"model_id": model, "seq_id": seq, "path": name}))
+    pending.append(api.accept("save_weights_for_sampler", json={"model_id": model, "seq_id": 6, "path": "sw"}))
+    for request_id in pending:
+        api.result(request_id)
+    sampler_weights = f"tinker://{model}/sampler_weights/sw"
+    created = api.post("create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                        "model_path": sampler_weights})
+    assert created.status_code == 200, created.text
+    api.close()
+    ids = Ids(session=session, spare_session=spare, model=model, request=request,
+              checkpoint=f"tinker://{model}/weights/c1", publish_checkpoint=f"tinker://{model}/weights/pub",
+              delete_checkpoint=f"tinker://{model}/weights/del", sampler_weights=sampler_weights,
+              sampler=created.json()["sampling_session_id"])
+    keys = {"owner": owner_key, "other": other_key, "none": None, "revoked": revoked_key, "disabled": disabled_key}
+    return World(server.base_url, keys, ids, owner_id, itertools.count(7))
