@@ -22,6 +22,11 @@ the worker holds the parts run so far (gradients and results), and answers a par
 from there when a restarted scheduler sends it again (scheduler/executor.py), so a scheduler
 restart neither repeats nor loses a part. If that worker dies, the scheduler runs the request
 from its first datum again on the model's new worker, after replaying what came before.
+
+Whole requests likewise: a scheduler killed after a worker ran a cycle but before it committed the
+outcomes sends the cycle again after its restart; the worker keeps each model's last cycle's outcomes
+and answers the requests found there from them (`answer_resent`, scheduler/executor.py), so no
+gradient or step is applied twice.
 """
 
 from __future__ import annotations

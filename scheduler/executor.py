@@ -23,6 +23,14 @@ results and answers `Outcome.progress` until the last part, which answers the me
 (workers/trainer/parts.py). What ran stays with the engine that ran it, so a part sent again (the
 scheduler restarted, but this engine did not: a Celery worker) is answered from there, never run
 twice; a model halfway through such a request is never evicted or moved (`splitting`).
+
+Whole requests sent again (`answer_resent`, on for engines that outlive the scheduler: a Celery
+worker): a scheduler killed after this engine ran a cycle but before it committed the outcomes sends
+the cycle again after its restart (its requests are still pending). Running a forward_backward or an
+optim_step again would apply its gradient or step twice, so the executor keeps, per model, the
+outcomes of the last cycle that ran it (`_last_cycle`), and answers a request found there from it.
+A model runs nothing else until its requests are stored, so that is all a resend can ask for; the
+record goes when the model's next, different request arrives, or when the model leaves memory.
 """
 
 from __future__ import annotations
@@ -99,21 +107,34 @@ def engine_input(job: Job) -> ForwardBackwardInput:
     )
 
 
+def _without(cycle: Cycle, ids: dict[str, Outcome]) -> Cycle:
+    return Cycle(**{part: [q for q in getattr(cycle, part) if q.id not in ids]
+                    for part in ("forward_backward", "optim_steps", "others")})
+
+
 class InProcessExecutor:
     # The executor interface the scheduler uses: run_cycle, durable_seq, place, and this flag
     # (ProcessExecutor and CeleryExecutor have the same).
     engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
 
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0,
-                 state_write_interval: float = 0.0, compute: ComputeThread | None = None) -> None:
+                 state_write_interval: float = 0.0, compute: ComputeThread | None = None,
+                 answer_resent: bool = False) -> None:
         """compute: the thread the engine's work runs on, shared with the sampler's steps, which it
-        lets in between passes (workers/compute_thread.py); None: the calling thread."""
+        lets in between passes (workers/compute_thread.py); None: the calling thread.
+        answer_resent: answer a request of the model's last cycle, sent again, from its outcome instead of
+        running it twice (for an engine that outlives the scheduler; an embedded engine restarts with it,
+        and the scheduler's replay rebuilds what it held)."""
         self.engine = engine
         self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
         self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
         # model -> its forward/forward_backward run here in parts (one at most: the model runs nothing
         # else meanwhile), kept once complete until the model's next request, for a resent part's answer
         self._splits: dict[str, SplitRun] = {}
+        # model -> {request id: outcome} of the last cycle that ran the model, while its outcomes may not be
+        # committed yet (`answer_resent`). One cycle per model: a few outcomes each, logprobs included.
+        self.answer_resent = answer_resent
+        self._last_cycle: dict[str, dict[str, Outcome]] = {}
         self._lock = threading.RLock()  # the engine's: held while a cycle or an eviction runs
         self._compute = compute
         if compute is not None:
@@ -203,6 +224,7 @@ class InProcessExecutor:
             self.live.persist(model_id, last_seq, with_gradients=True)
         self.live.forget(model_id)
         self._splits.pop(model_id, None)
+        self._last_cycle.pop(model_id, None)  # whoever loads it next ran none of its requests
         self.engine.delete_adapter(model_id)
 
     # --- cycles ----------------------------------------------------------------------------------
@@ -219,6 +241,7 @@ class InProcessExecutor:
         for q in cycle.all():  # another request of the model: the one it ran in parts is over (or given up)
             if q.model_id in self._splits and self._splits[q.model_id].request_id != q.id:
                 del self._splits[q.model_id]
+        cycle, answered = self._answered_before(cycle, jobs)
         cycle, outcomes = self._restore_states(cycle)
         if cycle.forward_backward:
             outcomes.update(self._forward_backward([jobs[r.id] for r in cycle.forward_backward]))
@@ -230,7 +253,53 @@ class InProcessExecutor:
             if request.model_id in self.engine.adapters and outcomes[request.id].progress is None:
                 self._last_seq[request.model_id] = max(self._last_seq.get(request.model_id, -1), request.seq_id)
                 self._last_seq.move_to_end(request.model_id)
+        if self.answer_resent:
+            self._remember(cycle, jobs, outcomes, answered)
+        outcomes.update(answered)
         return outcomes
+
+    @staticmethod
+    def _whole(job: Job) -> bool:
+        """A request sent whole (a part is answered from `_splits` instead)."""
+        return job.part is None
+
+    def _answered_before(self, cycle: Cycle, jobs: dict[str, Job]) -> tuple[Cycle, dict[str, Outcome]]:
+        """The cycle without the requests this engine ran already (a restarted scheduler sent them again),
+        and their outcomes, as first given. A model's record is dropped when another request of it comes,
+        or when the model is not in memory (it was evicted, or this engine lost it: nothing of it ran here)."""
+        if not self.answer_resent:
+            return cycle, {}
+        answered: dict[str, Outcome] = {}
+        for model_id in {q.model_id for q in cycle.all()}:
+            record = self._last_cycle.get(model_id)
+            if record is None:
+                continue
+            if model_id not in self.engine.adapters:
+                del self._last_cycle[model_id]
+                continue
+            ids = {q.id for q in cycle.all() if q.model_id == model_id and self._whole(jobs[q.id])}
+            if not ids & record.keys():  # the model's next request: its last cycle was committed
+                del self._last_cycle[model_id]
+                continue
+            for request_id in ids & record.keys():
+                answered[request_id] = record[request_id]
+                log.info("%s: request %s ran here already (sent again after a scheduler restart): answered from "
+                         "its outcome", model_id, request_id)
+        return _without(cycle, answered), answered
+
+    def _remember(self, cycle: Cycle, jobs: dict[str, Job], outcomes: dict[str, Outcome],
+                  answered: dict[str, Outcome]) -> None:
+        """Keep each model's outcomes of this cycle (those answered from the record included: a scheduler
+        killed again sends them again) in place of its previous cycle's. Requests in parts are `_splits`'."""
+        ran: dict[str, dict[str, Outcome]] = {}
+        for q in cycle.all():
+            if self._whole(jobs[q.id]) and q.model_id in self.engine.adapters and outcomes[q.id].progress is None:
+                ran.setdefault(q.model_id, {})[q.id] = outcomes[q.id]
+        for request_id, outcome in answered.items():
+            model_id = jobs[request_id].request.model_id
+            ran.setdefault(model_id, {})[request_id] = outcome
+        self._last_cycle.update(ran)
+
 
     def _forward_backward(self, jobs: list[Job]) -> dict[str, Outcome]:
         """One engine call for every request of the cycle; of a request run in parts, its next part."""

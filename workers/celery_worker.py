@@ -40,7 +40,10 @@ def _start(sender=None, **_) -> None:
     info = model_info(settings.base_model)
     engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank, min_shared_prefix=settings.trainer_min_shared_prefix)
     executor = InProcessExecutor(engine, settings.live_dir,
-                                 settings.max_resident_adapters, settings.state_write_interval_seconds)
+                                 settings.max_resident_adapters, settings.state_write_interval_seconds,
+                                 # this worker outlives the scheduler: a cycle it ran whose outcomes the scheduler
+                                 # died before committing comes again, and must not apply gradients or a step twice
+                                 answer_resent=True)
     _state["executor"] = executor
     # "splitting": models halfway through a request run in parts here, which must not move away
     register_worker(client, sender, worker_key, info.name,
