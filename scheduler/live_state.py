@@ -210,10 +210,13 @@ class LiveStates:
         if expected < 0 and all(s.manifest is None and not store.exists(s.path) for s in slots):
             return None
         problems: list[str] = []
+        # The database's word holds for the first restore after recovery only: from then on the model's
+        # outcomes are stored as it runs (and a repair may write newer states from another process).
+        ceiling = self._ceiling.pop(model_id, None)
         for slot in candidates(slots, problems):
-            if slot.seq > self._ceiling.get(model_id, slot.seq):
+            if ceiling is not None and slot.seq > ceiling:
                 problems.append(f"{slot.describe()}: it is ahead of the database (applied up to seq_id "
-                                f"{self._ceiling[model_id]}): its step's outcome was never stored, so the step runs again")
+                                f"{ceiling}): its step's outcome was never stored, so the step runs again")
                 continue
             try:
                 self.engine.load_state(model_id, slot.path)  # verifies the SHA-256

@@ -165,7 +165,12 @@ class SchedulerService:
                 next_seq = (applied + 1) if applied is not None else request.seq_id
             try:
                 self.buffer.add(request, next_seq=next_seq)
-            except ValueError:  # cannot happen while (model_id, seq_id) is unique; never leave a future hanging
+            except ValueError:  # its seq_id ran already
+                state = s.scalar(sa.select(Request.state).where(Request.id == request.id))
+                if state in (RequestState.DONE, RequestState.FAILED):
+                    continue  # a second copy of a finished request (it may arrive twice around a restart)
+                # a pending request the model is past: cannot happen while (model_id, seq_id) is unique,
+                # but its future must never hang
                 log.error("seq_id %s of %s already ran: failing %s", request.seq_id, request.model_id, request.id)
                 answers = self._store([request], {request.id: Outcome.failed(
                     f"seq_id {request.seq_id}: the model is past it already", "user")}, utcnow())
