@@ -10,12 +10,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.public_errors import public_error
+from api.public_errors import MAX_ERROR_CHARS, public_error
 from api.request_guard import RequestGuard
 from api.routes import futures, runs, sampling, service, sessions, tokenizers, training, unsupported
 
 log = logging.getLogger(__name__)
-MAX_ERROR_CHARS = 500  # an error names the field and the problem; it never echoes the input
 
 
 def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, sampling_dispatcher=None,
@@ -30,7 +29,6 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.model_info = model_info
     app.state.sampling = sampling_dispatcher
     app.state.sampling_unavailable = sampling_unavailable
-    app.state.served_names = served_names(model_info.name)
     for module in (service, sessions, training, futures, sampling, runs, unsupported, tokenizers):
         app.include_router(module.router, prefix="/api/v1")
 
@@ -72,9 +70,3 @@ async def server_error(request: Request, exc: Exception) -> JSONResponse:
     """A bug, not the caller's fault: logged here in full, answered without internals."""
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return JSONResponse(status_code=500, content={"detail": "internal server error"})
-
-
-def served_names(name: str) -> set[str]:
-    from workers.models.registry import ALIASES
-
-    return {name} | {alias for alias, target in ALIASES.items() if target == name}

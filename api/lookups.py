@@ -41,16 +41,26 @@ def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:
     return row
 
 
+def serves(request: Request, name: str) -> bool:
+    """Whether `name` is the served base model: its hub id or one of its aliases."""
+    from workers.models.registry import hub_id
+
+    return hub_id(name) == request.app.state.model_info.name
+
+
+def served_names(request: Request) -> str:
+    """The served model's names, for an error: "'loraplex/tiny' (also named 'tiny')"."""
+    from workers.models.registry import names_of
+
+    name, *aliases = names_of(request.app.state.model_info.name)
+    return repr(name) + (f" (also named {', '.join(map(repr, aliases))})" if aliases else "")
+
+
 def served_model(request: Request, base_model: str) -> str:
     """The served model's hub id if `base_model` names it (by hub id or an alias); 400 otherwise."""
-    from workers.models.registry import hub_id, names_of
-
-    info = request.app.state.model_info
-    if base_model not in request.app.state.served_names and hub_id(base_model) != info.name:
-        names = names_of(info.name)
-        also = f" (also named {', '.join(map(repr, names[1:]))})" if names[1:] else ""
-        raise HTTPException(400, f"base_model: {base_model[:200]!r} is not served here; served: {info.name!r}{also}")
-    return info.name
+    if not serves(request, base_model):
+        raise HTTPException(400, f"base_model: {base_model[:200]!r} is not served here; served: {served_names(request)}")
+    return request.app.state.model_info.name
 
 
 def resolve_checkpoint(db: Session, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:

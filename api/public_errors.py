@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+MAX_ERROR_CHARS = 500  # an error names the field and the problem; it never echoes the input
 _PART = r"[^/\s'\"]+"
 
 

@@ -24,6 +24,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from api.deps import tenant_of_key
+from api.public_errors import MAX_ERROR_CHARS
 from api.refusals import PREFIX_BYTES, read_seq_ref, record_refusal
 from service.tenants import hash_key
 
@@ -181,4 +182,4 @@ def _detail(messages: list[dict[str, Any]]) -> str:
         detail = json.loads(raw).get("detail", raw.decode(errors="replace"))
     except (ValueError, AttributeError):
         detail = raw.decode(errors="replace")
-    return str(detail)[:500]
+    return str(detail)[:MAX_ERROR_CHARS]

@@ -6,7 +6,7 @@ because it never arrived (scheduler/service.py): a late arrival gets that skippe
 future fails saying so; it never runs after the requests that went on without it.
 
 A training request's seq_id must lie in its model's window: after the model's last applied
-seq_id and at most `max_seq_ahead` beyond it. A seq_id far ahead would otherwise wait, and after
+seq_id and at most `MAX_SEQ_AHEAD` beyond it. A seq_id far ahead would otherwise wait, and after
 `seq_gap_seconds` make the scheduler skip every real seq_id before it.
 """
 
@@ -24,16 +24,16 @@ from db.models import Request, TrainingModel, new_id
 from scheduler.ordering import REJECTED, QueuedRequest
 
 
+# The SDK sends one model's requests one at a time, except the chunks of one large
+# forward_backward (at most a few hundred for any batch that fits a quota): 1,024 leaves room.
+MAX_SEQ_AHEAD = 1024
+
+
 def seq_window(db: Session, model_id: str) -> tuple[int, int] | None:
     """The (lowest, highest) seq_id a model accepts now, None for a model that does not exist.
     Its lowest is one after its last applied: a lower one is a retry, found by its (model_id, seq_id)."""
     applied = db.scalar(sa.select(TrainingModel.last_applied_seq_id).where(TrainingModel.id == model_id))
     return None if applied is None else (applied + 1, applied + MAX_SEQ_AHEAD)
-
-
-# The SDK sends one model's requests one at a time, except the chunks of one large
-# forward_backward (at most a few hundred for any batch that fits a quota): 1,024 leaves room.
-MAX_SEQ_AHEAD = 1024
 
 
 def check_seq_id(db: Session, model_id: str, seq_id: int) -> None:

@@ -150,14 +150,8 @@ class CeleryExecutor:
         gone = [q for q in cycle.all() if placed.get(q.model_id) not in workers]
         outcomes = {q.id: Outcome.failed("trainer worker lost before the cycle", "server") for q in gone}
         where = {q.model_id: placed[q.model_id] for q in cycle.all() if q not in gone}
-        parts = {
-            worker: Cycle(
-                forward_backward=[q for q in cycle.forward_backward if where.get(q.model_id) == worker],
-                optim_steps=[q for q in cycle.optim_steps if where.get(q.model_id) == worker],
-                others=[q for q in cycle.others if where.get(q.model_id) == worker],
-            )
-            for worker in sorted(set(where.values()))
-        }
+        parts = {worker: cycle.keeping(lambda q, worker=worker: where.get(q.model_id) == worker)
+                 for worker in sorted(set(where.values()))}
         sent = {worker: self._send(workers[worker], TASK, (part, {q.id: jobs[q.id] for q in part.all()}))
                 for worker, part in parts.items()}
         for worker, (key, result) in sent.items():

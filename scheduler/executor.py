@@ -107,11 +107,6 @@ def engine_input(job: Job) -> ForwardBackwardInput:
     )
 
 
-def _without(cycle: Cycle, ids: dict[str, Outcome]) -> Cycle:
-    return Cycle(**{part: [q for q in getattr(cycle, part) if q.id not in ids]
-                    for part in ("forward_backward", "optim_steps", "others")})
-
-
 class InProcessExecutor:
     # The executor interface the scheduler uses: run_cycle, durable_seq, place, and this flag
     # (ProcessExecutor and CeleryExecutor have the same).
@@ -207,8 +202,7 @@ class InProcessExecutor:
                 self._evict(model_id)  # (this cycle holds the lock, maybe on the compute thread)
         if not unavailable:
             return cycle, {}
-        kept = Cycle(**{part: [q for q in getattr(cycle, part) if q.model_id not in unavailable]
-                        for part in ("forward_backward", "optim_steps", "others")})
+        kept = cycle.keeping(lambda q: q.model_id not in unavailable)
         return kept, {q.id: unavailable[q.model_id] for q in cycle.all() if q.model_id in unavailable}
 
     def evict(self, model_id: str) -> None:
@@ -285,7 +279,7 @@ class InProcessExecutor:
                 answered[request_id] = record[request_id]
                 log.info("%s: request %s ran here already (sent again after a scheduler restart): answered from "
                          "its outcome", model_id, request_id)
-        return _without(cycle, answered), answered
+        return cycle.keeping(lambda q: q.id not in answered), answered
 
     def _remember(self, cycle: Cycle, jobs: dict[str, Job], outcomes: dict[str, Outcome],
                   answered: dict[str, Outcome]) -> None:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from scheduler.ordering import BATCHABLE_KINDS, QueuedRequest
 
@@ -69,6 +69,12 @@ class Cycle:
 
     def all(self) -> list[QueuedRequest]:
         return self.forward_backward + self.optim_steps + self.others
+
+    def keeping(self, keep: Callable[[QueuedRequest], bool]) -> "Cycle":
+        """The cycle's requests that `keep` accepts, each in its place (without `parts`/`continuing`,
+        which only the scheduler reads)."""
+        return Cycle(*([q for q in requests if keep(q)]
+                       for requests in (self.forward_backward, self.optim_steps, self.others)))
 
     def __bool__(self) -> bool:
         return bool(self.forward_backward or self.optim_steps or self.others)

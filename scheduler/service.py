@@ -63,11 +63,6 @@ def _failure(message: str) -> dict[str, str]:
     return {"error": message, "category": "user"}
 
 
-def _without(cycle: Cycle, ids: dict[str, object]) -> Cycle:
-    return Cycle(**{part: [q for q in getattr(cycle, part) if q.id not in ids]
-                    for part in ("forward_backward", "optim_steps", "others")})
-
-
 def queued(row: Request) -> QueuedRequest:
     return QueuedRequest(row.id, row.tenant_id, row.model_id or row.id, row.seq_id or 0, row.kind, row.num_tokens)
 
@@ -242,7 +237,7 @@ class SchedulerService:
         # answered at once, then the parts of large requests. A part never shares an engine pass with
         # another request (workers/trainer/parts.py), so nothing batches less, and a small request
         # waits only for the part that was running when it arrived, not for one beside it too.
-        whole = _without(cycle, {**refused, **cycle.parts})
+        whole = cycle.keeping(lambda q: q.id not in refused and q.id not in cycle.parts)
         in_parts = Cycle(forward_backward=[q for q in cycle.forward_backward
                                            if q.id in cycle.parts and q.id not in refused])
         for batch, decided in ((whole, refused), (in_parts, {})):

@@ -17,6 +17,7 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import quotas
+from api.bounds import INT32_MAX, INT64_MAX, Seed, SessionSeq
 from api.deps import DB, CurrentTenant
 from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
@@ -33,7 +34,7 @@ MAX_TOPK = 20  # vLLM's default max_logprobs
 
 class CreateSamplingSession(BaseModel):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0, le=2**31 - 1)
+    sampling_session_seq_id: SessionSeq
     base_model: str | None = None
     model_path: str | None = None
 
@@ -93,28 +94,28 @@ def get_sampler(sampling_session_id: str, tenant: CurrentTenant, db: DB) -> dict
 class SamplingParamsIn(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)  # NaN is "not a finite number", not "below 0"
 
-    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    seed: Seed | None = None
     stop: str | list[str] | list[int] | None = None
     temperature: float = Field(default=1.0, ge=0.0)
-    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1)
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
 class SampleRequestIn(BaseModel):
     prompt: dict[str, Any]
-    num_samples: int = Field(default=1, ge=1, le=2**31 - 1)
+    num_samples: int = Field(default=1, ge=1, le=INT32_MAX)
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     sampling_session_id: str | None = None
     base_model: str | None = None  # legacy addressing, without a sampling session
     model_path: str | None = None
-    seq_id: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seq_id: int | None = Field(default=None, ge=0, le=INT64_MAX)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
     target_prompt_logprobs: Any = None
     prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=INT32_MAX)
     record_stability_info: bool = False
 
 

@@ -16,19 +16,16 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 
 from api.deps import CurrentTenant
-from workers.models.registry import hub_id, names_of
+from api.lookups import served_names, serves
 from workers.models.tokenizer_files import TokenizerManifest, tokenizer_manifest
 
 router = APIRouter()
 
 
 def _served_manifest(request: Request, model: str) -> TokenizerManifest:
-    info = request.app.state.model_info
-    if model not in request.app.state.served_names and hub_id(model) != info.name:
-        also = ", ".join(map(repr, names_of(info.name)[1:]))
-        raise HTTPException(404, f"model: no tokenizer for {model[:200]!r}: this server serves {info.name!r}"
-                                 + (f" (also named {also})" if also else ""))
-    return tokenizer_manifest(info.path)
+    if not serves(request, model):
+        raise HTTPException(404, f"model: no tokenizer for {model[:200]!r}: this server serves {served_names(request)}")
+    return tokenizer_manifest(request.app.state.model_info.path)
 
 
 @router.get("/tokenizers/{model:path}/files")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Annotated, Any
+from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from api import quotas
+from api.bounds import Seed, SeqId, SessionSeq
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
 from api.paths import (
     TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
@@ -32,8 +33,6 @@ from workers.trainer.errors import InvalidInputError
 
 router = APIRouter()
 PROTOBUF = "application/x-protobuf"
-SeqId = Annotated[int, Field(ge=1, le=2**31 - 1)]  # int32 on the wire (tinker_public.proto)
-Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
 class LoraConfigIn(BaseModel):
@@ -59,7 +58,7 @@ class OptimizerConfig(BaseModel):
 
 class CreateModel(BaseModel):
     session_id: str
-    model_seq_id: int = Field(ge=0, le=2**31 - 1)
+    model_seq_id: SessionSeq
     base_model: str
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
     user_metadata: dict[str, Any] | None = None
@@ -82,7 +81,7 @@ class SaveWeights(BaseModel):
     model_id: str
     seq_id: SeqId
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    sampling_session_seq_id: SessionSeq | None = None
     ttl_seconds: int | None = Field(default=None, ge=1, le=10 * 365 * 86400)
     overwrite: bool = False
     user_metadata: dict[str, str] | None = Field(default=None, max_length=64)  # kept on the checkpoint
@@ -94,7 +93,7 @@ class LoadWeights(BaseModel):
     model_id: str | None = None  # legacy: load into an existing model at seq_id
     seq_id: SeqId | None = None
     session_id: str | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
-    model_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    model_seq_id: SessionSeq | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
 

