@@ -117,13 +117,17 @@ def _tiles(spans: tuple[ProvenanceSpanWire, ...], n: int, where: str) -> None:
         raise InvalidInputError(where, f"the spans cover {total} positions, but the field has {n}: they must tile it")
 
 
-def _source(span: ProvenanceSpanWire, rec: Recorded, where: str) -> np.ndarray:
-    """The recorded positions a span claims: [offset, offset + length) of the prompt or of the sampled tokens."""
+def _source(span: ProvenanceSpanWire, recorded: dict[str, Recorded], where: str) -> tuple[Recorded, np.ndarray]:
+    """The recorded sequence a span names, and the positions it claims: [offset, offset + length) of
+    its prompt or of its sampled tokens."""
+    rec = recorded.get(span.sequence_id)
+    if rec is None:
+        raise _unknown(f"{where}.sequence_id", span.sequence_id)
     source, what = (rec.prompt, "prompt") if span.kind == "prompt" else (rec.tokens, "sampled tokens")
     if span.offset + span.length > source.size:
         raise InvalidInputError(where, f"covers positions [{span.offset}, {span.offset + span.length}) of the "
                                        f"{what} of {span.sequence_id!r}, which has {source.size}")
-    return source[span.offset:span.offset + span.length]
+    return rec, source[span.offset:span.offset + span.length]
 
 
 def _same_tokens(actual: np.ndarray, claimed: np.ndarray, start: int, span: ProvenanceSpanWire, field: str,
@@ -157,10 +161,7 @@ def recorded_inputs(i: int, datum: DatumWire, recorded: dict[str, Recorded]) -> 
     start = 0
     for k, span in enumerate(datum.model_input_spans):
         where = f"data[{i}].model_input_spans[{k}]"
-        rec = recorded.get(span.sequence_id)
-        if rec is None:
-            raise _unknown(f"{where}.sequence_id", span.sequence_id)
-        claimed = _source(span, rec, where)
+        _, claimed = _source(span, recorded, where)
         _same_tokens(datum.tokens[start:start + span.length], claimed, start, span, "model_input", where)
         start += span.length
 
@@ -170,10 +171,7 @@ def recorded_inputs(i: int, datum: DatumWire, recorded: dict[str, Recorded]) -> 
     start = 0
     for k, span in enumerate(datum.loss_fn_input_spans):
         where = f"data[{i}].loss_fn_input_spans[{k}]"
-        rec = recorded.get(span.sequence_id)
-        if rec is None:
-            raise _unknown(f"{where}.sequence_id", span.sequence_id)
-        claimed = _source(span, rec, where)
+        rec, claimed = _source(span, recorded, where)
         rows = slice(start, start + span.length)
         if span.kind == "sampled":
             _same_tokens(targets[rows], claimed, start, span, "target_tokens", where)
