@@ -27,6 +27,7 @@ from db import usage as usage_queries
 from db.models import QUOTA_FIELDS, ApiKey, Checkpoint, Quota, Tenant, TrainingModel, utcnow
 from service.settings import Settings
 from service.tenants import create_tenant, issue_key
+from workers import store
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n\n")[0])
 tenants_app = typer.Typer(no_args_is_help=True, help="create, list, disable, enable")
@@ -47,7 +48,8 @@ def main(
     data_dir: Optional[Path] = typer.Option(None, envvar="LORAPLEX_DATA_DIR", help="the embedded server's data dir"),
 ) -> None:
     overrides = {k: v for k, v in dict(database_url=database_url, data_dir=data_dir).items() if v}
-    _state["settings"] = Settings(**overrides)
+    _state["settings"] = settings = Settings(**overrides)
+    store.use_cache_dir(settings.store_cache)
 
 
 def sessions():
@@ -239,7 +241,7 @@ def checkpoints_export(tinker_path: str, dest: Path) -> None:
         model = s.get(TrainingModel, row.model_id)
     if dest.exists():
         raise typer.BadParameter(f"{dest} exists", param_hint="DEST")
-    export_peft(row.storage_path, dest, model_info(model.base_model).path)
+    export_peft(row.storage_path, dest, model_info(model.base_model, _state["settings"].model_cache).path)
     console.print(f"{tinker_path} -> {dest}")
 
 
@@ -279,8 +281,10 @@ def _engine(model: TrainingModel):
     from workers.trainer.engine import TrainerEngine
 
     settings: Settings = _state["settings"]
-    return TrainerEngine(model_info(model.base_model).path, max_rank=max(settings.max_lora_rank, model.lora_config["rank"]),
-                         min_shared_prefix=settings.trainer_min_shared_prefix)
+    return TrainerEngine(model_info(model.base_model, settings.model_cache).path,
+                         max_rank=max(settings.max_lora_rank, model.lora_config["rank"]),
+                         min_shared_prefix=settings.trainer_min_shared_prefix,
+                         keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)
 
 
 def _fail(message: str) -> None:
@@ -292,8 +296,8 @@ def _fail(message: str) -> None:
 def models_state(model_id: str) -> None:
     """The model's stored training states (verified, or what is wrong) and the bases a rebuild could use."""
     from admin.model_state import bases
-    from scheduler.live_state import read_slots
-    from workers.trainer.checkpoints import CheckpointError, verify_training_state
+    from workers.trainer.checkpoint_files import CheckpointError, verify_training_state
+    from workers.trainer.live_slots import read_slots
 
     settings: Settings = _state["settings"]
     with session() as s:

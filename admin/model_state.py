@@ -1,5 +1,5 @@
 """Repairing a model whose stored training state is lost (the server's `live` folders, see
-scheduler/live_state.py): what `loraplex-admin models state | rebuild | reset` do.
+workers/trainer/live_state.py): what `loraplex-admin models state | rebuild | reset` do.
 
 A rebuild needs a base (a state known to reflect every request up to some seq_id) and the
 requests after it, which the database holds with their payloads. Bases, best (latest) first:
@@ -17,22 +17,23 @@ slots as the state after the model's last applied seq_id. Run it while the model
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from contract.kinds import STARTS_HISTORY, RequestKind
+from contract.payloads import CreateModelPayload, LoadWeightsPayload, SaveWeightsPayload
+from contract.queue import Outcome
 from db.models import Checkpoint, CheckpointKind, Request, RequestState, TrainingModel
-from scheduler.executor import InProcessExecutor, Outcome
-from scheduler.live_state import read_slots
 from service.settings import Settings
-from workers.trainer.checkpoints import CheckpointError, verify_training_state
+from workers.trainer.checkpoint_files import CheckpointError, verify_training_state
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.executor import InProcessExecutor
+from workers.trainer.live_slots import read_slots
 
-RESETS = ("create_model", "load_weights")
-CHANGES_WEIGHTS = ("optim_step", *RESETS)
+CHANGES_WEIGHTS = (RequestKind.OPTIM_STEP, *STARTS_HISTORY)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Base:
     problem: str | None = None  # why it cannot be used (None: verified)
 
 
-def _done(s: Session, model_id: str, kinds: tuple[str, ...], up_to: int) -> list[Request]:
+def _done(s: Session, model_id: str, kinds: tuple[RequestKind, ...], up_to: int) -> list[Request]:
     return list(s.scalars(sa.select(Request).where(
         Request.model_id == model_id, Request.kind.in_(kinds), Request.state == RequestState.DONE,
         Request.seq_id <= up_to).order_by(Request.seq_id)))
@@ -69,7 +70,7 @@ def _loader(location: str, with_optimizer: bool = True) -> Callable[[TrainerEngi
 def bases(s: Session, model: TrainingModel, live_dir: str) -> list[Base]:
     """Every base the model could be rebuilt from, latest first (those with a problem say why not)."""
     last = model.last_applied_seq_id
-    starts = _done(s, model.id, RESETS, last)
+    starts = _done(s, model.id, STARTS_HISTORY, last)
     if not starts:
         return []
     start = starts[-1]
@@ -86,9 +87,9 @@ def bases(s: Session, model: TrainingModel, live_dir: str) -> list[Base]:
         found.append(Base(slot.seq, what, _loader(slot.path), problem))
     changes = _done(s, model.id, CHANGES_WEIGHTS, last)
     saves: dict[str, Request] = {}  # storage path -> the last save to it (what its files hold)
-    for save in _done(s, model.id, ("save_weights",), last):
+    for save in _done(s, model.id, (RequestKind.SAVE_WEIGHTS,), last):
         if save.seq_id > start.seq_id:
-            saves[json.loads(save.payload)["storage_path"]] = save
+            saves[SaveWeightsPayload.parse(save.payload).storage_path] = save
     for location, save in saves.items():
         checkpoint = s.scalar(sa.select(Checkpoint).where(Checkpoint.storage_path == location,
                                                           Checkpoint.kind == CheckpointKind.TRAINING_STATE))
@@ -97,29 +98,38 @@ def bases(s: Session, model: TrainingModel, live_dir: str) -> list[Base]:
         step = max(r.seq_id for r in changes if r.seq_id <= save.seq_id)
         found.append(Base(step, f"checkpoint {checkpoint.tinker_path} (saved at seq_id {save.seq_id})",
                           _loader(location), _verified(location, model.id)))
-    body = json.loads(start.payload)
-    if start.kind == "create_model":
+    if start.kind == RequestKind.CREATE_MODEL:
+        config = CreateModelPayload.parse(start.payload).lora_config
+
         def create(engine: TrainerEngine, model_id: str) -> None:
-            from workers.trainer.adapters import LoraConfig
-            engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))
+            engine.create_adapter(model_id, config)
         found.append(Base(start.seq_id, f"its create_model (seq_id {start.seq_id})", create))
     else:
-        loaded = s.scalar(sa.select(Checkpoint).where(Checkpoint.storage_path == body["storage_path"]))
+        body = LoadWeightsPayload.parse(start.payload)
+        loaded = s.scalar(sa.select(Checkpoint).where(Checkpoint.storage_path == body.storage_path))
         problem = "that checkpoint was deleted" if loaded is None else (
             "that checkpoint was saved over since" if start.started_at and loaded.created_at > start.started_at
-            else _verified(body["storage_path"]))
-        found.append(Base(start.seq_id, f"its load_weights of {body['tinker_path']} (seq_id {start.seq_id})",
-                          _loader(body["storage_path"], body["optimizer"]), problem))
+            else _verified(body.storage_path))
+        found.append(Base(start.seq_id, f"its load_weights of {body.tinker_path} (seq_id {start.seq_id})",
+                          _loader(body.storage_path, body.optimizer), problem))
     return sorted(found, key=lambda b: b.seq, reverse=True)
 
 
 class _ReplayOnto:
-    """The executor interface the scheduler's replay uses, over an engine that holds the base."""
+    """An executor (contract.executor.Executor) for the scheduler's replay, over an engine that holds the base."""
+
+    engines_restart_with_scheduler = True
 
     def __init__(self, executor: InProcessExecutor, model_id: str, base_seq: int) -> None:
         self.executor, self.model_id, self.base_seq = executor, model_id, base_seq
         self.replayed = 0
         self.failures: list[str] = []
+
+    def place(self, model_ids: set[str]) -> set[str]:
+        return set()  # the base is in the engine already
+
+    def close(self) -> None:
+        pass  # `rebuild` closes the executor it wraps
 
     def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
         return self.base_seq if model_id == self.model_id else None

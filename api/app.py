@@ -1,4 +1,5 @@
-"""The FastAPI application: Tinker routes under /api/v1, state injected by whoever runs it."""
+"""The FastAPI application: Tinker routes under /api/v1, the OpenAI-compatible inference API under
+/oai/api/v1 (api/inference/), state injected by whoever runs it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.inference import openai_api
+from api.inference.keys import BearerAsApiKey
 from api.public_errors import MAX_ERROR_CHARS, public_error
 from api.request_guard import RequestGuard
-from api.routes import futures, runs, sampling, service, sessions, tokenizers, training, unsupported
+from api.routes import futures, rollouts, runs, sampling, service, sessions, tokenizers, training, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +32,10 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.model_info = model_info
     app.state.sampling = sampling_dispatcher
     app.state.sampling_unavailable = sampling_unavailable
-    for module in (service, sessions, training, futures, sampling, runs, unsupported, tokenizers):
+    for module in (service, sessions, training, futures, sampling, runs, unsupported, tokenizers, rollouts):
         app.include_router(module.router, prefix="/api/v1")
+    app.include_router(openai_api.router)
+    app.include_router(openai_api.anthropic_router)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics() -> Response:
@@ -41,6 +46,7 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, server_error)
     app.add_middleware(RequestGuard, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BearerAsApiKey)  # outside the guard: it reads the key a bearer token carries
     return app
 
 

@@ -26,8 +26,9 @@ from sqlalchemy.orm import Session
 
 from api.deps import tenant_of_key
 from api.submit import seq_window, submit
+from contract.kinds import RequestKind
+from contract.payloads import RejectedPayload
 from db.models import TrainingModel
-from scheduler.ordering import REJECTED
 
 # What is read of a body too large to accept, to find its (model_id, seq_id): the SDK writes
 # both first (protobuf fields 1 and 2; the first keys of its JSON bodies).
@@ -117,6 +118,7 @@ def record_refusal(app_state: Any, api_key: str | None, model_id: str, seq_id: i
         window = seq_window(db, model_id)
         if window is None or not window[0] <= seq_id <= window[1]:
             return False  # already run (a retry: the original answers it) or absurd (refused, not recorded)
-        submit(app_state.scheduler, db, tenant_id=tenant.id, model_id=model_id, seq_id=seq_id, kind=REJECTED,
-               payload=b"{}", error={"error": error, "category": "user"})
+        submit(app_state.scheduler, db, tenant_id=tenant.id, model_id=model_id, seq_id=seq_id,
+               kind=RequestKind.REJECTED, payload=RejectedPayload().to_bytes(),
+               error={"error": error, "category": "user"})
         return True

@@ -20,8 +20,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.quotas import check_concurrency
+from contract.kinds import RequestKind
+from contract.queue import JSON, QueuedRequest
 from db.models import Request, TrainingModel, new_id
-from scheduler.ordering import REJECTED, QueuedRequest
 
 
 # The SDK sends one model's requests one at a time, except the chunks of one large
@@ -44,14 +45,14 @@ def check_seq_id(db: Session, model_id: str, seq_id: int) -> None:
 
 
 def submit(
-    scheduler, db: Session, *, tenant_id: str, model_id: str | None, seq_id: int | None, kind: str,
-    payload: bytes, content_type: str = "application/json", num_tokens: int = 0,
+    scheduler, db: Session, *, tenant_id: str, model_id: str | None, seq_id: int | None, kind: RequestKind,
+    payload: bytes, content_type: str = JSON, num_tokens: int = 0,
     request_id: str | None = None, dispatch: Callable[[], None] | None = None, error: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Store the request and queue it: on the trainer `scheduler` (anything with
     `.submit(QueuedRequest)`), or through `dispatch` (samples). A request stored with its `error`
     (a refusal) runs nothing: the scheduler fails it when its seq_id's turn comes."""
-    if kind != REJECTED:
+    if kind != RequestKind.REJECTED:
         check_concurrency(db, tenant_id)
         if dispatch is None and seq_id is not None and seq_id > 0:
             check_seq_id(db, model_id, seq_id)

@@ -27,15 +27,16 @@ import numpy as np
 import redis
 import typer
 
+from contract.configs import LoraConfig
+from contract.queue import Job
+from contract.queue import QueuedRequest
+from contract.queue import Cycle
 from loraplex.wire.client import encode_forward_backward_request
 from scheduler.celery_executor import CeleryExecutor
-from scheduler.executor import InProcessExecutor, Job
-from scheduler.ordering import QueuedRequest
-from scheduler.planner import Cycle
 from workers.celery_app import worker_key
 from workers.models.registry import model_info
-from workers.trainer.adapters import LoraConfig
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.executor import InProcessExecutor
 
 REDIS_URL = "redis://127.0.0.1:6379/8"
 ROOT = Path(__file__).resolve().parents[1]

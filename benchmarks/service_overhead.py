@@ -33,13 +33,14 @@ import typer
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import create_tenant_key, start_service, wait_healthy
 from tests.servers import metric
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 RESULTS = Path(__file__).parent / "results" / "service_overhead.md"
 
@@ -54,8 +55,8 @@ def sdk_data(rows) -> list[types.Datum]:
                         loss_fn_inputs={"target_tokens": r[1:], "weights": np.ones(len(r) - 1, np.float32)}) for r in rows]
 
 
-def engine_data(rows) -> list[Datum]:
-    return [Datum(r[:-1], {"target_tokens": r[1:], "weights": np.ones(len(r) - 1, np.float32)}) for r in rows]
+def engine_data(rows) -> list[EngineDatum]:
+    return [EngineDatum(r[:-1], {"target_tokens": r[1:], "weights": np.ones(len(r) - 1, np.float32)}) for r in rows]
 
 
 class RawClient:

@@ -13,7 +13,7 @@ forward_backward alone, whose physical limit is 1.0 (same FLOPs); the optim_step
 adapters' AdamW states are N times the memory to update.
 
     .venv/bin/python benchmarks/trainer_multitenant.py [--models tiny,SmolLM2-135M-Instruct] [--tenants 1,2,4,8]
-        [--workloads 2x128,1x32] [--reps 3] [--no-write]
+        [--workloads 2x128,1x32] [--reps 3] [--device cpu|cuda] [--results PATH] [--no-write]
 
 Modes are interleaved within each repetition and the median is reported, so machine noise hits
 all modes alike; only the ratios are meaningful.
@@ -32,10 +32,12 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from workers.cpu_threads import intra_op_threads
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request, split_into_passes
+from workers.trainer.batch import pack, prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.lora_layers import RoutingPlan
 
 RANK = 16
@@ -45,22 +47,22 @@ WORKLOADS = {"2x128": (2, 128), "1x32": (1, 32)}
 RESULTS = Path(__file__).parent / "results" / "trainer_multitenant.md"
 
 
-def tenant_data(n_tenants: int, seqs: int, length: int, vocab: int) -> list[list[Datum]]:
+def tenant_data(n_tenants: int, seqs: int, length: int, vocab: int) -> list[list[EngineDatum]]:
     gen = torch.Generator().manual_seed(0)
     data = []
     for _ in range(n_tenants):
         tenant = []
         for _ in range(seqs):
             ids = torch.randint(0, vocab, (length + 1,), generator=gen)
-            tenant.append(Datum(ids[:-1], {"target_tokens": ids[1:], "weights": torch.ones(length)}))
+            tenant.append(EngineDatum(ids[:-1], {"target_tokens": ids[1:], "weights": torch.ones(length)}))
         data.append(tenant)
     return data
 
 
 def timed_optim_step(engine, steps) -> float:
-    started = time.perf_counter()
+    started = finished()
     engine.optim_step(steps)
-    return time.perf_counter() - started
+    return finished() - started
 
 
 def round_batched(engine, data):
@@ -99,8 +101,10 @@ def round_lora_free(engine, data):
 class PeftSerial:
     """The baseline a user would write with peft: one model, N named adapters, one at a time."""
 
-    def __init__(self, model_path, n_tenants: int):
+    def __init__(self, model_path, n_tenants: int, device: str):
+        self.device = device
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        base.to(device)
         config = PeftLoraConfig(r=RANK, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS))
         self.model = get_peft_model(base, config, adapter_name="t0")
         for i in range(1, n_tenants):
@@ -114,8 +118,8 @@ class PeftSerial:
     def round(self, data):
         for i, tenant in enumerate(data):
             self.model.set_adapter(f"t{i}")
-            ids = torch.stack([torch.as_tensor(d.tokens) for d in tenant])
-            targets = torch.stack([d.loss_fn_inputs["target_tokens"] for d in tenant])
+            ids = torch.stack([torch.as_tensor(d.tokens) for d in tenant]).to(self.device)
+            targets = torch.stack([d.loss_fn_inputs["target_tokens"] for d in tenant]).to(self.device)
             logits = self.model(input_ids=ids).logits.float()
             loss = -(torch.log_softmax(logits, -1).gather(-1, targets[..., None])).sum()
             loss.backward()
@@ -123,13 +127,20 @@ class PeftSerial:
             self.optimizers[f"t{i}"].zero_grad(set_to_none=True)
 
 
-def measure(model: str, tenants: list[int], workloads: list[str], reps: int) -> list[dict]:
-    engine = TrainerEngine(model)
+def finished() -> float:
+    """The clock once the device's queued work is done (GPU kernels run asynchronously)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def measure(model: str, tenants: list[int], workloads: list[str], reps: int, device: str) -> list[dict]:
+    engine = TrainerEngine(model, device=device)
     max_n = max(tenants)
     for i in range(max_n):
         engine.create_adapter(f"t{i}", LoraConfig(rank=RANK, alpha=32, seed=i))
     engine.create_adapter("all", LoraConfig(rank=RANK, alpha=32, seed=99))
-    peft_serial = PeftSerial(engine.model_path, max_n)
+    peft_serial = PeftSerial(engine.model_path, max_n, device)
     rows = []
     for workload in workloads:
         seqs, length = WORKLOADS[workload]
@@ -146,10 +157,10 @@ def measure(model: str, tenants: list[int], workloads: list[str], reps: int) -> 
             optim_times = {"a": [], "d": []}
             for rep in range(reps + 1):  # the first repetition warms up and is discarded
                 for key, run in modes.items():
-                    started = time.perf_counter()
+                    started = finished()
                     optim_seconds = run()
                     if rep:
-                        times[key].append(time.perf_counter() - started)
+                        times[key].append(finished() - started)
                         if key in optim_times:
                             optim_times[key].append(optim_seconds)
             t = {k: statistics.median(v) for k, v in times.items()}
@@ -175,23 +186,24 @@ def format_row(r: dict) -> str:
 
 
 def main(models: str = "tiny,SmolLM2-135M-Instruct", tenants: str = "1,2,4,8", workloads: str = "2x128,1x32",
-         reps: int = 3, write: bool = True) -> None:
+         reps: int = 3, device: str = "cpu", results: Path = RESULTS, write: bool = True) -> None:
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(0)
     print(HEADER)
     rows = []
     for model in models.split(","):
-        rows += measure(model, [int(n) for n in tenants.split(",")], workloads.split(","), reps)
+        rows += measure(model, [int(n) for n in tenants.split(",")], workloads.split(","), reps, device)
     if write:
-        RESULTS.parent.mkdir(exist_ok=True)
+        results.parent.mkdir(parents=True, exist_ok=True)
         lines = [HEADER] + [format_row(r) for r in rows]
-        RESULTS.write_text(
+        on = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, torch threads: {torch.get_num_threads()}"
+        results.write_text(
             f"Command: `.venv/bin/python benchmarks/trainer_multitenant.py --models {models} --tenants {tenants} "
             f"--workloads {workloads} "
-            f"--reps {reps}`\n\nTorch threads: {torch.get_num_threads()}, LoRA rank {RANK} on all linear "
+            f"--reps {reps} --device {device}`\n\nOn {on}, LoRA rank {RANK} on all linear "
             f"layers, median of {reps} interleaved repetitions.\n\n" + "\n".join(lines) + "\n"
         )
-        print(f"written to {RESULTS}")
+        print(f"written to {results}")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,11 @@ import torch
 import transformers
 import typer
 
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request, split_into_passes
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
+from workers.trainer.batch import pack, prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 RANK = 16
@@ -34,7 +36,7 @@ WORKLOADS = {"rl": (8, 8, 39, 16), "long": (4, 8, 128, 32)}  # prompts, group si
 RESULTS = Path(__file__).parent / "results" / "trainer_shared_prefix.md"
 
 
-def grpo_data(prompts: int, group: int, prompt_len: int, max_completion: int, vocab: int) -> list[Datum]:
+def grpo_data(prompts: int, group: int, prompt_len: int, max_completion: int, vocab: int) -> list[EngineDatum]:
     gen = torch.Generator().manual_seed(0)
     data = []
     for _ in range(prompts):
@@ -43,7 +45,7 @@ def grpo_data(prompts: int, group: int, prompt_len: int, max_completion: int, vo
             n = int(torch.randint(1, max_completion + 1, (1,), generator=gen))
             sequence = torch.cat([prompt, torch.randint(0, vocab, (n,), generator=gen)])
             positions = sequence.numel() - 1
-            data.append(Datum(sequence[:-1], {
+            data.append(EngineDatum(sequence[:-1], {
                 "target_tokens": sequence[1:],
                 "logprobs": torch.full((positions,), -3.0),
                 "advantages": torch.cat([torch.zeros(prompt_len - 1), torch.randn(n, generator=gen)]),

@@ -190,7 +190,7 @@ class Request(Base):
     # (model_id, seq_id) unique index, whose leading column is model_id.
     model_id: Mapped[str | None]
     seq_id: Mapped[int | None]
-    kind: Mapped[str]  # "forward_backward", "optim_step", "sample", ...
+    kind: Mapped[str]  # a contract.kinds.RequestKind value: "forward_backward", "optim_step", "sample", ...
     state: Mapped[str] = mapped_column(default=RequestState.PENDING)
     payload: Mapped[bytes] = mapped_column(sa.LargeBinary)  # the body as received
     payload_content_type: Mapped[str]
@@ -240,3 +240,55 @@ class RecordedSequence(Base):
     logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # float32 little-endian, the sampler's, one per token
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(index=True)  # pruning scans it
+
+
+class RolloutTrajectory(Base):
+    """One agent session's calls to the inference API (api/inference/): the rollout store's unit of
+    training. Named by the caller (X-Loraplex-Session, else metadata.session_id, else user); a call
+    that names none is a trajectory of its own."""
+
+    __tablename__ = "rollout_trajectories"
+    __table_args__ = (sa.UniqueConstraint("tenant_id", "session_id"),)  # leads with tenant_id: the listing's index
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
+    session_id: Mapped[str]  # the caller's name for it; unique per tenant, two tenants may share one
+    reward: Mapped[float | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)  # its last turn (or reward)
+
+
+class RolloutTurn(Base):
+    """One call of a trajectory: the prompt as the sampler saw it, which weights answered, and the
+    request and response as they went over the wire. Its id is the response's id."""
+
+    __tablename__ = "rollout_turns"
+    __table_args__ = (sa.UniqueConstraint("trajectory_id", "turn"),)
+
+    id: Mapped[str] = mapped_column(primary_key=True)
+    trajectory_id: Mapped[str] = mapped_column(sa.ForeignKey("rollout_trajectories.id"))
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
+    turn: Mapped[int]  # 0, 1, ...: the order the trajectory's calls finished in
+    api: Mapped[str]  # "chat.completions" | "completions"
+    model: Mapped[str]  # as the request named it: a sampler path, a policy alias, the base model
+    sampler_path: Mapped[str | None]  # the tinker:// sampler checkpoint it resolved to; None: the base model
+    adapter_path: Mapped[str | None]  # that checkpoint's snapshot folder (server side, never shown)
+    policy_version: Mapped[int | None]  # optimizer steps of the snapshot; None: the base model
+    request_id: Mapped[str]  # the sample request (requests table) that generated it
+    prompt_tokens: Mapped[bytes] = mapped_column(sa.LargeBinary)  # int32 little-endian
+    request_body: Mapped[dict[str, Any]] = _json()
+    response_body: Mapped[dict[str, Any]] = _json()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RolloutSample(Base):
+    """One choice of a turn: the sampled tokens (stop token included) and the sampler's logprob of each."""
+
+    __tablename__ = "rollout_samples"
+
+    turn_id: Mapped[str] = mapped_column(sa.ForeignKey("rollout_turns.id"), primary_key=True)
+    choice: Mapped[int] = mapped_column(primary_key=True)
+    tokens: Mapped[bytes] = mapped_column(sa.LargeBinary)  # int32 little-endian
+    logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # float32 little-endian, one per token
+    finish_reason: Mapped[str]  # as answered: "stop" | "length" | "tool_calls"
+    reward: Mapped[float | None]  # this choice's own reward; None: the trajectory's

@@ -8,10 +8,10 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from contract.kinds import RequestKind
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 
-TRAINING_KINDS = ("forward", "forward_backward")
-SAMPLE_KIND = "sample"
+TRAINING_KINDS = (RequestKind.FORWARD, RequestKind.FORWARD_BACKWARD)
 
 
 def tokens_trained(s: Session, tenant_id: str, since: datetime) -> int:
@@ -25,7 +25,7 @@ def tokens_sampled(s: Session, tenant_id: str, since: datetime) -> int:
     """Prompt plus generated tokens of the sample requests accepted since `since`."""
     total = sa.func.coalesce(sa.func.sum(Request.num_tokens + Request.output_tokens), 0)
     return int(s.scalar(sa.select(total).where(
-        Request.tenant_id == tenant_id, Request.kind == SAMPLE_KIND, Request.created_at >= since)))
+        Request.tenant_id == tenant_id, Request.kind == RequestKind.SAMPLE, Request.created_at >= since)))
 
 
 def storage_bytes(s: Session, tenant_id: str) -> int:

@@ -1,6 +1,5 @@
 """Alembic environment: runs the revisions in versions/ against the Loraplex database."""
 
-import os
 from logging.config import fileConfig
 
 import sqlalchemy as sa
@@ -8,6 +7,7 @@ from alembic import context
 
 from db.models import Base
 from db.session import make_engine, normalize_url
+from service.settings import Settings
 
 config = context.config
 target_metadata = Base.metadata
@@ -19,7 +19,8 @@ if config.cmd_opts is not None and config.config_file_name is not None:
 
 
 def database_url() -> sa.URL:
-    url = config.attributes.get("url") or os.environ.get("LORAPLEX_DATABASE_URL")
+    # the service passes its URL; the alembic command line takes LORAPLEX_DATABASE_URL, else alembic.ini's
+    url = config.attributes.get("url") or Settings().database_url
     return normalize_url(url or config.get_main_option("sqlalchemy.url"))
 
 

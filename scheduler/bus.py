@@ -20,10 +20,11 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.kinds import RequestKind
+from contract.queue import QueuedRequest
 from db.models import Request, RequestState
 from scheduler.notify import Answer, Notifier
-from scheduler.ordering import QueuedRequest
-from scheduler.sampling import SAMPLE, SamplerBusy, SamplerUnavailable
+from scheduler.sampling import SamplerBusy, SamplerUnavailable
 from workers.celery_app import live_registrations, sampler_key
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class RemoteSampling:
             raise SamplerUnavailable(f"no sampler worker serving {self.base_model!r} is running")
         with self.sessions() as s:
             pending = s.scalar(sa.select(sa.func.count()).select_from(Request).where(
-                Request.state == RequestState.PENDING, Request.kind == SAMPLE))
+                Request.state == RequestState.PENDING, Request.kind == RequestKind.SAMPLE))
         if pending >= self.max_pending:
             raise SamplerBusy(f"{pending} samples are in flight (limit {self.max_pending})")
 

@@ -19,13 +19,13 @@ optim_step) before, so acknowledged work is neither lost nor applied twice.
 
 A request run in parts (scheduler/planner.py) keeps its model on one worker until its last part:
 the worker holds the parts run so far (gradients and results), and answers a part it already ran
-from there when a restarted scheduler sends it again (scheduler/executor.py), so a scheduler
+from there when a restarted scheduler sends it again (workers/trainer/executor.py), so a scheduler
 restart neither repeats nor loses a part. If that worker dies, the scheduler runs the request
 from its first datum again on the model's new worker, after replaying what came before.
 
 Whole requests likewise: a scheduler killed after a worker ran a cycle but before it committed the
 outcomes sends the cycle again after its restart; the worker keeps each model's last cycle's outcomes
-and answers the requests found there from them (`answer_resent`, scheduler/executor.py), so no
+and answers the requests found there from them (`answer_resent`, workers/trainer/executor.py), so no
 gradient or step is applied twice.
 """
 
@@ -37,10 +37,9 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from scheduler.executor import Job, Outcome
-from scheduler.planner import Cycle
+from contract.queue import Cycle, Job, Outcome
 from workers.celery_app import EVICT_TASK, RESULT_TTL_SECONDS, TASK, live_registrations, make_app, worker_key
-from scheduler.live_state import newest_verified, read_slots
+from workers.trainer.live_slots import newest_verified, read_slots
 
 PLACEMENT = "loraplex:placement"  # Redis hash: model id -> worker id
 
@@ -60,6 +59,7 @@ class CeleryExecutor:
         self.wait_for_worker_seconds = wait_for_worker_seconds
         self._splitting: set[str] = set()  # models halfway through a request run in parts, as the outcomes said
 
+    # (contract.executor.Executor)
     engines_restart_with_scheduler = False  # workers keep their state when the scheduler restarts
 
     # --- workers and placement -------------------------------------------------------------------
@@ -136,7 +136,7 @@ class CeleryExecutor:
 
     def _newest_state_verifies(self, model_id: str) -> bool:
         """Whether the model's newest stored state is intact (else a worker restores an older one and the
-        requests after it must be replayed: scheduler/live_state.py)."""
+        requests after it must be replayed: workers/trainer/live_state.py)."""
         slot, _ = newest_verified(self.live_dir, model_id)
         stored = [s for s in read_slots(self.live_dir, model_id) if s.manifest is not None]
         return slot is None or not stored or slot.path == stored[0].path
@@ -165,6 +165,11 @@ class CeleryExecutor:
             else:
                 self._splitting.discard(q.model_id)
         return outcomes
+
+    def close(self) -> None:
+        """Let go of the connections (the workers keep their engines, and write their own states)."""
+        self.app.close()
+        self.redis.close()
 
     def _send(self, worker: dict, task: str, data):
         key = f"loraplex:cycle:{uuid.uuid4().hex}"

@@ -13,24 +13,8 @@ while, and the scheduler applies its gap rule (scheduler/service.py, `_skip_stal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-# Operations that only read weights and add to gradients: consecutive ones of one model commute
-# with each other, so a run of them can share one engine call.
-BATCHABLE_KINDS = ("forward_backward", "forward")
-# A request refused at the door, or a seq_id that never arrived: it runs nothing, only passes its
-# seq_id, with its recorded error as the outcome (scheduler/service.py).
-REJECTED = "rejected"
-
-
-@dataclass(frozen=True)
-class QueuedRequest:
-    id: str
-    tenant_id: str
-    model_id: str
-    seq_id: int
-    kind: str
-    num_tokens: int = 0
+from contract.kinds import BATCHABLE_KINDS
+from contract.queue import QueuedRequest
 
 
 class ReorderBuffer:

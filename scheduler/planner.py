@@ -38,46 +38,11 @@ gradients), not what it may queue; quotas at the API (api/quotas.py) do that.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Callable
 
-from scheduler.ordering import BATCHABLE_KINDS, QueuedRequest
-
-if TYPE_CHECKING:
-    from workers.trainer.parts import PartProgress
-
-
-@dataclass(frozen=True)
-class Part:
-    """One part of a request run in parts: go on from datum `start`, taking datums of at most
-    `max_tokens` input tokens (at least one engine pass; the executor cuts after whole passes)."""
-
-    start: int
-    max_tokens: int
-
-
-@dataclass
-class Cycle:
-    forward_backward: list[QueuedRequest] = field(default_factory=list)
-    optim_steps: list[QueuedRequest] = field(default_factory=list)
-    others: list[QueuedRequest] = field(default_factory=list)
-    # request id -> the part this cycle runs of a request run in parts (its forward_backward entry
-    # carries the part's token cap); `continuing`: those whose model started in an earlier cycle
-    parts: dict[str, Part] = field(default_factory=dict)
-    continuing: set[str] = field(default_factory=set)
-
-    def all(self) -> list[QueuedRequest]:
-        return self.forward_backward + self.optim_steps + self.others
-
-    def keeping(self, keep: Callable[[QueuedRequest], bool]) -> "Cycle":
-        """The cycle's requests that `keep` accepts, each in its place (without `parts`/`continuing`,
-        which only the scheduler reads)."""
-        return Cycle(*([q for q in requests if keep(q)]
-                       for requests in (self.forward_backward, self.optim_steps, self.others)))
-
-    def __bool__(self) -> bool:
-        return bool(self.forward_backward or self.optim_steps or self.others)
+from contract.kinds import BATCHABLE_KINDS, RequestKind
+from contract.queue import Cycle, Part, PartProgress, QueuedRequest
 
 
 @dataclass
@@ -129,7 +94,7 @@ class CyclePlanner:
             head = run[0]
             if head.kind in BATCHABLE_KINDS:
                 queues[head.tenant_id].append(list(run))
-            elif head.kind == "optim_step":
+            elif head.kind == RequestKind.OPTIM_STEP:
                 cycle.optim_steps.append(head)
             else:
                 cycle.others.append(head)

@@ -19,12 +19,12 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from contract.errors import EngineError
 from workers.celery_app import (
     HEARTBEAT_SECONDS, RESULT_TTL_SECONDS, SAMPLE_TASK, live_registrations, make_app, sample_done_key, sample_outcome_key,
     sampler_key,
 )
 from workers.sampler.jobs import SampleJob
-from workers.trainer.errors import EngineError
 
 log = logging.getLogger(__name__)
 

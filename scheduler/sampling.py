@@ -14,17 +14,15 @@ import threading
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.errors import EngineError
+from contract.kinds import RequestKind
 from db.models import Request, RequestState, utcnow
-from loraplex.wire.codec import encode_sample_response
+from loraplex.wire.codec import PROTOBUF, encode_sample_response
 from scheduler import stability
 from scheduler.notify import Answer, Notifier
 from workers.sampler.jobs import SampleJob, SampleResult
-from workers.trainer.errors import EngineError
 
 log = logging.getLogger(__name__)
-
-PROTOBUF = "application/x-protobuf"
-SAMPLE = "sample"
 
 
 class SamplerBusy(Exception):
@@ -65,7 +63,7 @@ class SamplingDispatcher:
     def recover(self) -> int:
         with self.sessions() as s:
             rows = s.scalars(
-                sa.select(Request).where(Request.kind == SAMPLE, Request.state == RequestState.PENDING)
+                sa.select(Request).where(Request.kind == RequestKind.SAMPLE, Request.state == RequestState.PENDING)
                 .order_by(Request.created_at)
             ).all()
             jobs = [SampleJob.from_json(row.payload) for row in rows]

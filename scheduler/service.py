@@ -22,13 +22,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from datetime import datetime, timedelta
 
+from contract.executor import Executor
+from contract.kinds import BATCHABLE_KINDS, RequestKind
+from contract.payloads import RejectedPayload
+from contract.queue import JSON, Cycle, Job, Outcome, QueuedRequest
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 from scheduler import metrics
-from scheduler.executor import Job, Outcome
 from scheduler.notify import Answer, Notifier
-from scheduler.ordering import BATCHABLE_KINDS, REJECTED, QueuedRequest, ReorderBuffer
-from scheduler.planner import Cycle, CyclePlanner
-from scheduler.sampling import SAMPLE
+from scheduler.ordering import ReorderBuffer
+from scheduler.planner import CyclePlanner
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def queued(row: Request) -> QueuedRequest:
 
 class SchedulerService:
     def __init__(
-        self, sessions: sessionmaker[Session], executor, token_budget: int, notifier: Notifier,
+        self, sessions: sessionmaker[Session], executor: Executor, token_budget: int, notifier: Notifier,
         gather_seconds: float = 0.0, seq_gap_seconds: float = 60.0, tenant_max_tokens_in_flight: int = 0,
     ) -> None:
         self.sessions = sessions
@@ -101,7 +103,8 @@ class SchedulerService:
         with self.sessions() as s:
             rows = s.scalars(
                 sa.select(Request)
-                .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]), Request.kind != SAMPLE)
+                .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]),
+                       Request.kind != RequestKind.SAMPLE)
                 .order_by(Request.created_at)
             ).all()
             for row in rows:
@@ -128,7 +131,8 @@ class SchedulerService:
                 continue
             rows = s.scalars(
                 sa.select(Request).where(
-                    Request.model_id == model.id, Request.kind.in_(["forward_backward", "optim_step"]),
+                    Request.model_id == model.id,
+                    Request.kind.in_([RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP]),
                     Request.state == RequestState.DONE, Request.seq_id > durable,
                     Request.seq_id <= model.last_applied_seq_id,
                 ).order_by(Request.seq_id)
@@ -138,9 +142,9 @@ class SchedulerService:
             cycle, jobs = Cycle(), {}
             for i, row in enumerate(rows):  # gradients accumulate over forward_backwards; an optim_step ends a cycle
                 q = queued(row)
-                (cycle.forward_backward if row.kind == "forward_backward" else cycle.optim_steps).append(q)
+                (cycle.forward_backward if q.kind == RequestKind.FORWARD_BACKWARD else cycle.optim_steps).append(q)
                 jobs[q.id] = Job(q, row.payload)
-                if row.kind == "optim_step" or i == len(rows) - 1:
+                if q.kind == RequestKind.OPTIM_STEP or i == len(rows) - 1:
                     self.executor.run_cycle(cycle, jobs)
                     cycle, jobs = Cycle(), {}
 
@@ -187,8 +191,9 @@ class SchedulerService:
             if not missing:
                 continue  # they arrived meanwhile and wait in the inbox
             gap = f"{missing[0]}" if len(missing) == 1 else f"{missing[0]}-{missing[-1]}"
-            rows = [Request(tenant_id=behind.tenant_id, model_id=behind.model_id, seq_id=seq, kind=REJECTED,
-                            payload=b"{}", payload_content_type="application/json", error=_failure(
+            rows = [Request(tenant_id=behind.tenant_id, model_id=behind.model_id, seq_id=seq,
+                            kind=RequestKind.REJECTED, payload=RejectedPayload().to_bytes(),
+                            payload_content_type=JSON, error=_failure(
                                 f"seq_id {seq}: never arrived; seq_id {behind.seq_id} waited {self.seq_gap_seconds:g} s "
                                 "behind it, so it was skipped. Sent now, it is not run: the model's later requests "
                                 "went on without it"))

@@ -16,7 +16,7 @@ policy version. Another tenant's sequence_id gets the answer an id that never ex
 When a stable_reinforce request is accepted (`attach_recorded_inputs`, from the forward_backward
 route), the spans' claims are checked against the record and the record's logprobs go into the
 request's payload as two loss inputs (RECORDED_LOGPROBS, RECORDED_SEQUENCE in
-workers/trainer/losses.py). The stored payload then holds all its replays and trainer workers
+workers/trainer/loss_specs.py). The stored payload then holds all its replays and trainer workers
 need: they never look anything up.
 """
 
@@ -31,12 +31,12 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from contract.errors import InvalidInputError
 from db.models import RecordedSequence, utcnow
 from loraplex.wire import tinker_public_pb2 as pb
 from loraplex.wire.codec import DatumWire, ForwardBackwardWire, ProvenanceSpanWire, SampledSequenceWire
 from workers.sampler.jobs import SampleJob
-from workers.trainer.errors import InvalidInputError
-from workers.trainer.losses import LOSSES, RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
 
 RETENTION = timedelta(days=1)
 PRUNE_INTERVAL_SECONDS = 600.0  # expired rows are invisible at once; deleting them can wait
@@ -190,7 +190,7 @@ def attach_recorded_inputs(s: Session, tenant_id: str, wire: ForwardBackwardWire
     datum's recorded inputs added, the sequences it names renewed for a day. Other losses pass
     through unchanged. Raises InvalidInputError naming the field (an unknown or expired sequence_id,
     a span whose tokens are not the recorded ones, a recorded input sent by the client)."""
-    spec = LOSSES.get(wire.loss_fn)
+    spec = LOSS_SPECS.get(wire.loss_fn)
     if spec is None or not spec.server_inputs:
         return wire, proto
     now = now or utcnow()

@@ -1,6 +1,6 @@
 """`python -m service serve|api|scheduler`. Tenants, keys and quotas: `loraplex-admin` (admin/cli.py).
 
-Every option also reads from the environment (LORAPLEX_*, service/settings.py); a flag wins.
+Every option also reads from the environment (LORAPLEX_*: docs/settings.md lists them all); a flag wins.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ def serve(base_model: str = BASE_MODEL, host: str = typer.Option(None), port: in
     """Run the embedded server: API + scheduler + trainer (+ sampler) in one process."""
     from service.openmp import spin_between_parallel_regions
 
-    spin_between_parallel_regions()  # before torch loads: trainer and sampler share the CPUs
+    server_settings = settings(base_model=base_model, host=host, port=port, data_dir=data_dir)
+    # before torch loads (Settings does not import it): trainer and sampler share the CPUs
+    spin_between_parallel_regions(server_settings.keep_openmp_defaults)
     from service.embedded import serve as run
 
-    run(settings(base_model=base_model, host=host, port=port, data_dir=data_dir))
+    run(server_settings)
 
 
 @app.command()

@@ -28,6 +28,7 @@ from scheduler.notify import Notifier
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
 from service.settings import Settings
+from workers import store
 from workers.celery_app import scheduler_key, start_heartbeat
 from workers.models.registry import model_info
 
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 def _database(settings: Settings):
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store.use_cache_dir(settings.store_cache)  # an API replica and the scheduler both start here
     upgrade_to_head(settings.resolved_database_url)
     return make_session_factory(make_engine(settings.resolved_database_url))
 
@@ -44,7 +46,7 @@ def build_api(settings: Settings):
     """The FastAPI app of one API replica, and the listener that wakes its long-polls."""
     sessions = _database(settings)
     client = redis.Redis.from_url(settings.redis_url)
-    info = model_info(settings.base_model)
+    info = model_info(settings.base_model, settings.model_cache)
     notifier = Notifier()
     inbox = RedisInbox(client, info.name)
     sampling = RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending) if settings.sampler_enabled else None
@@ -60,7 +62,7 @@ class SchedulerProcess:
     def __init__(self, settings: Settings) -> None:
         self.sessions = _database(settings)
         client = redis.Redis.from_url(settings.redis_url)
-        info = model_info(settings.base_model)
+        info = model_info(settings.base_model, settings.model_cache)
         publisher = FinishedPublisher(client)
         executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
         self.scheduler = SchedulerService(self.sessions, executor, settings.cycle_token_budget, publisher,

@@ -17,30 +17,34 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 import torch
+from fastapi import FastAPI
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
+from contract.executor import Executor
 from db.models import Tenant
 from db.session import make_engine, make_session_factory, upgrade_to_head
-from scheduler.executor import InProcessExecutor
 from scheduler.janitor import Janitor
-from scheduler.process_executor import ProcessExecutor
 from scheduler.notify import Notifier
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
 from service.settings import Settings
 from service.tenants import create_tenant
+from workers import store
 from workers.compute_thread import ComputeThread, run_on
 from workers.models.registry import model_info
 from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.executor import InProcessExecutor
+from workers.trainer.process_executor import ProcessExecutor
 
 
 @dataclass
 class EmbeddedServer:
-    app: object
+    app: FastAPI
     scheduler: SchedulerService
-    executor: object  # InProcessExecutor, ProcessExecutor or CeleryExecutor
-    sessions: object
+    executor: Executor  # InProcessExecutor, ProcessExecutor or CeleryExecutor
+    sessions: sessionmaker[Session]
     sampling: SamplingDispatcher | None = None
     compute: ComputeThread | None = None  # the trainer's and the sampler's torch work, taking turns
     janitor: Janitor | None = None
@@ -59,8 +63,7 @@ class EmbeddedServer:
         self.scheduler.stop()
         if self.sampling is not None:
             self.sampling.close()
-        if isinstance(self.executor, (InProcessExecutor, ProcessExecutor)):
-            self.executor.close()  # (an in-process one finishes writing durable states)
+        self.executor.close()  # (an in-process one finishes writing durable states)
         if self.compute is not None:
             self.compute.close()
 
@@ -78,6 +81,7 @@ def build_sampling(settings: Settings, info, sessions, notifier: Notifier,
 
 def build(settings: Settings) -> EmbeddedServer:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store.use_cache_dir(settings.store_cache)
     url = settings.resolved_database_url
     upgrade_to_head(url)
     sessions = make_session_factory(make_engine(url))
@@ -85,7 +89,7 @@ def build(settings: Settings) -> EmbeddedServer:
     # built on first use (registry) is built there too
     one_thread = settings.compute_thread if settings.compute_thread is not None else not torch.cuda.is_available()
     compute = ComputeThread() if one_thread else None
-    info = run_on(compute, lambda: model_info(settings.base_model))
+    info = run_on(compute, lambda: model_info(settings.base_model, settings.model_cache))
     live_dir = settings.live_dir
     if settings.executor == "celery":  # trainer workers elsewhere; live_dir must be on a shared store
         from scheduler.celery_executor import CeleryExecutor
@@ -94,10 +98,12 @@ def build(settings: Settings) -> EmbeddedServer:
     elif settings.engine_process:
         executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir, max_resident=settings.max_resident_adapters,
                                    state_write_interval=settings.state_write_interval_seconds,
-                                   min_shared_prefix=settings.trainer_min_shared_prefix)
+                                   min_shared_prefix=settings.trainer_min_shared_prefix,
+                                   keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)
     else:
         engine = run_on(compute, lambda: TrainerEngine(info.path, max_rank=settings.max_lora_rank,
-                                                       min_shared_prefix=settings.trainer_min_shared_prefix),
+                                                       min_shared_prefix=settings.trainer_min_shared_prefix,
+                                                       keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults),
                         work="trainer")
         executor = InProcessExecutor(engine, live_dir, settings.max_resident_adapters,
                                      settings.state_write_interval_seconds, compute)

@@ -11,7 +11,8 @@ call took 1.2 ms instead of 0.44 ms and mixed sampling ran at 67-73 tok/s instea
 OMP_WAIT_POLICY=ACTIVE raises the throttled spin to 1,000. GOMP_SPINCOUNT bounds the unthrottled
 spin at ~1 ms (ACTIVE alone spins 5 minutes: an idle team then keeps a core busy, and sampling
 stayed at 73 tok/s). libgomp reads both once, when it is loaded: this must run before torch is
-imported (or preloaded). README ("Sampling") has the end-to-end figures.
+imported (or preloaded), so `serve` reads its settings (Settings.keep_openmp_defaults, the opt-out)
+and calls this before it imports anything that loads torch. README ("Sampling") has the end-to-end figures.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ import sys
 log = logging.getLogger(__name__)
 
 SPIN_SETTINGS = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "100000"}
-OPT_OUT = "LORAPLEX_KEEP_OPENMP_DEFAULTS"
 
 
-def spin_between_parallel_regions() -> bool:
+def spin_between_parallel_regions(keep_openmp_defaults: bool = False) -> bool:
     """Set SPIN_SETTINGS for this process and its children; False where it does not apply: libgomp
-    already loaded (too late), opted out with LORAPLEX_KEEP_OPENMP_DEFAULTS=1, or the user set
-    either variable."""
-    if os.environ.get(OPT_OUT) == "1" or any(name in os.environ for name in SPIN_SETTINGS):
+    already loaded (too late), `keep_openmp_defaults` (the opt-out), or the user set either variable."""
+    if keep_openmp_defaults or any(name in os.environ for name in SPIN_SETTINGS):
         return False
     if openmp_runtime_loaded():
         log.warning("OpenMP spin settings not applied: libgomp was loaded first (torch imported, or LD_PRELOAD); "

@@ -1,4 +1,12 @@
-"""All settings in one place, from environment variables (LORAPLEX_*) or flags."""
+"""All settings in one place, from environment variables (LORAPLEX_*) or flags.
+
+Each process reads them once, when it starts (`python -m service ...`, the Celery workers,
+`loraplex-admin`), and passes them to the code that uses them; no library module reads the
+environment. docs/settings.md is generated from this class: `.venv/bin/python scripts/settings_table.py --write`.
+
+This module must not import torch: `serve` reads the settings before torch loads, since libgomp
+takes OpenMP's spin settings only then (service/openmp.py).
+"""
 
 from __future__ import annotations
 
@@ -9,70 +17,101 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers import store
+from workers.models import registry
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LORAPLEX_")
 
-    data_dir: Path = Path("data")
-    # Checkpoints, sampler snapshots and adapter state: a path or an fsspec URL every process
-    # reaches (workers/store.py; e.g. s3://bucket/loraplex with FSSPEC_S3_* options). Empty: data_dir.
-    store_url: str = ""
-    database_url: str = ""  # empty: SQLite under data_dir
-    base_model: str = "tiny"  # a registry name (see workers/models/registry.py) or a local HF folder
-    host: str = "127.0.0.1"
-    port: int = 8000
+    # --- where things are -------------------------------------------------------------------------
+    data_dir: Path = Field(Path("data"), description="the SQLite database (unless database_url), checkpoints and "
+                           "adapter state; in distributed mode a folder every machine mounts (flag --data-dir)")
+    store_url: str = Field("", description="checkpoints, sampler snapshots and adapter state: a path or an fsspec URL "
+                           "every process reaches, e.g. s3://bucket/loraplex with FSSPEC_S3_* options "
+                           "(workers/store.py; empty: data_dir)")
+    store_cache: str = Field("", description="where the folders of a remote store_url are downloaded, once per version "
+                             "(empty: loraplex-store-cache in the system's temp dir)")
+    database_url: str = Field("", description="SQLAlchemy URL, e.g. postgresql+psycopg://... (empty: SQLite under data_dir)")
+    base_model: str = Field("tiny", description="a registered model's hub id or short name (tiny, SmolLM2-135M-Instruct; "
+                            "workers/models/registry.py) or a local Hugging Face folder (flag --base-model)")
+    model_cache: Path = Field(registry.DEFAULT_CACHE_DIR, description="where registered base models are built or "
+                              "converted, once (workers/models/registry.py)")
+    host: str = Field("127.0.0.1", description="the API's address (flag --host)")
+    port: int = Field(8000, description="the API's port (flag --port)")
 
-    max_lora_rank: int = 64
+    # --- training ---------------------------------------------------------------------------------
+    max_lora_rank: int = Field(64, description="the largest LoRA rank a training run may ask for (the sampler's vLLM "
+                               "engine is sized for it)")
     max_resident_adapters: int = Field(0, description="adapters a trainer keeps in memory (0: no limit); "
                                        "the least recently used are written to the data dir and reloaded on use")
-    # Embedded mode is one process with an in-process executor. True moves the trainer engine into
-    # a child process (its own GIL), so the API stays responsive while it computes.
-    engine_process: bool = False
-    # Embedded mode: the trainer's cycles and the sampler's steps take turns on one thread, so libgomp
-    # manages one OpenMP team and does not throttle (workers/compute_thread.py). False: each on a
-    # thread of its own, overlapping (for machines with cores to spare for both). None: on where
-    # there is no CUDA device (on a GPU the two engines' kernels may overlap; not measured there).
-    compute_thread: bool | None = None
+    engine_process: bool = Field(False, description="embedded mode: the trainer engine in a child process (its own GIL), "
+                                 "so the API stays responsive while it computes")
+    compute_thread: bool | None = Field(
+        None, description="embedded mode: the trainer's cycles and the sampler's steps take turns on one thread, so "
+        "libgomp manages one OpenMP team and does not throttle (workers/compute_thread.py); false: each on a thread of "
+        "its own, overlapping (for machines with cores to spare for both); unset: on where there is no CUDA device")
     state_write_interval_seconds: float = Field(
         5.0, description="an adapter's durable training state is written at most this often; a crash "
-        "replays up to this long of its steps from the database (scheduler/live_state.py)")
+        "replays up to this long of its steps from the database (workers/trainer/live_state.py)")
+    # workers.trainer.shared_prefix.MIN_SHARED_TOKENS, written out: this module must not import torch
+    trainer_min_shared_prefix: int = Field(8, description="datums of one request that begin with "
+                                           "at least this many equal tokens (an RL group's prompt) compute them once "
+                                           "(0: never; workers/trainer/shared_prefix.py)")
+
+    # --- scheduling -------------------------------------------------------------------------------
     cycle_token_budget: int = Field(8192, description="tokens per batched engine call (one scheduler cycle)")
     tenant_max_tokens_in_flight: int = Field(
         0, ge=0, description="a tenant's new forward/forward_backward requests wait in the queue while its "
         "requests started and not yet run (the rest of those run in parts, and this cycle's) would exceed this "
         "many tokens; one larger request still runs, alone for its tenant (0: no limit; scheduler/planner.py)")
-    # 0: no added latency; under load, requests arriving during a cycle form the next one anyway
-    cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests")
-    max_request_bytes: int = 64 * 1024 * 1024
-    # workers.trainer.shared_prefix.MIN_SHARED_TOKENS, written out: this module must not import torch
-    # (the embedded server sets OpenMP's spin settings before torch loads; service/openmp.py)
-    trainer_min_shared_prefix: int = Field(8, description="datums of one request that begin with "
-                                           "at least this many equal tokens (an RL group's prompt) compute them once "
-                                           "(0: never; workers/trainer/shared_prefix.py)")
+    cycle_gather_seconds: float = Field(0.0, description="an idle scheduler waits this long for co-arriving requests "
+                                        "(0: no added latency; under load, requests arriving during a cycle form the "
+                                        "next one anyway)")
     seq_gap_seconds: float = Field(60.0, description="a model's missing seq_id is skipped (recorded as failed) "
                                    "once a later one has waited this long behind it")
     ephemeral_snapshot_grace_seconds: float = Field(
         600.0, description="an unnamed sampler snapshot (save_weights_and_get_sampling_client) is deleted once a "
         "newer one of its model exists and nothing sampled it for this long (scheduler/janitor.py)")
 
-    # Distributed trainer workers: "local" runs cycles in this process (or its child, with
-    # engine_process); "celery" sends them to Celery trainer workers (workers/celery_worker.py).
-    executor: Literal["local", "celery"] = "local"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-
-    # The sampler: a multi-LoRA vLLM engine beside the trainer (needs the sampler-cpu/-gpu extra).
-    sampler_enabled: bool = True
-    sampler_max_loras: int = Field(8, description="adapters sampled together in one batch")
-    sampler_max_cpu_loras: int = Field(64, description="adapter snapshots kept loaded (least recently used evicted)")
-    sampler_dtype: str = "float32"  # the trainer's dtype: sampler and trainer logprobs agree closely
-    sampler_kv_cache_gib: float = 1.0
-    sampler_max_pending: int = Field(256, description="samples in flight before asample answers 429")
-    sampler_max_samples: int = Field(128, description="num_samples limit of one request")
-    sampler_engine_process: bool = False  # vLLM's engine core in a child process (slower start)
+    # --- the API ----------------------------------------------------------------------------------
+    max_request_bytes: int = Field(64 * 1024 * 1024, description="a request body's limit, also once decompressed; "
+                                   "larger ones get 413 (api/request_guard.py)")
+    long_poll_seconds: float = Field(30.0, description="retrieve_future holds a request this long before it answers "
+                                     "try_again")
     metrics_port: int = Field(0, description="the scheduler and sampler worker processes serve their Prometheus "
                               "metrics on this port (0: not served; the API process serves GET /metrics)")
-    long_poll_seconds: float = 30.0  # retrieve_future holds the request this long before try_again
+
+    # --- distributed mode -------------------------------------------------------------------------
+    executor: Literal["local", "celery"] = Field(
+        "local", description="where trainer cycles run: local, in this process (or its child, with engine_process); "
+        "celery, on Celery trainer workers (workers/celery_worker.py)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis: the Celery broker, the request inbox and "
+                           "the workers' registrations (distributed mode, or executor=celery)")
+    worker_id: str = Field("", description="a Celery trainer or sampler worker's id, under which it registers "
+                           "(empty: its Celery node name); docker-compose.yml names each worker's queue after it")
+
+    # --- the sampler: a multi-LoRA vLLM engine beside the trainer ------------------------------------
+    sampler_enabled: bool = Field(True, description="serve sample requests (needs the sampler-cpu or sampler-gpu extra)")
+    sampler_max_loras: int = Field(8, description="adapters sampled together in one batch")
+    sampler_max_cpu_loras: int = Field(64, description="adapter snapshots kept loaded (least recently used evicted)")
+    sampler_dtype: str = Field("float32", description="the sampler's dtype; the trainer's keeps sampler and trainer "
+                               "logprobs close")
+    sampler_kv_cache_gib: float = Field(1.0, description="vLLM's KV cache, in GiB")
+    sampler_max_pending: int = Field(256, description="samples in flight before asample answers 429")
+    sampler_max_samples: int = Field(128, description="num_samples limit of one request")
+    sampler_engine_process: bool = Field(False, description="vLLM's engine core in a child process (its own GIL; "
+                                         "~17 s start instead of ~3 s)")
+    vllm_lora_ops: Literal["segmented", "vllm"] = Field(
+        "segmented", description="the CPU sampler's LoRA ops: Loraplex's segmented ops, or vLLM's stock ones (for "
+        "comparisons only: they leak an adapter into base-model rows of a mixed batch; workers/sampler/vllm_platform.py)")
+
+    # --- the process ---------------------------------------------------------------------------------
+    keep_openmp_defaults: bool = Field(
+        False, description="python -m service serve leaves libgomp's settings alone instead of setting "
+        "OMP_WAIT_POLICY=ACTIVE and GOMP_SPINCOUNT before torch loads (service/openmp.py)")
+    keep_glibc_malloc_defaults: bool = Field(
+        False, description="the trainer leaves glibc malloc's settings alone instead of keeping freed host memory "
+        "in the process (workers/host_memory.py)")
 
     @property
     def resolved_database_url(self) -> str:

@@ -3,6 +3,7 @@ that defines a `server` fixture (an embedded ServerThread) gets `api_key` and `s
 `webdav_store` makes locations on a real WebDAV server, the remote checkpoint store of the tests."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,8 +71,38 @@ def webdav_store(tmp_path_factory):
     server.wait(timeout=10)
 
 
+FAST = "not slow and not vllm and not distributed and not gpu"
+LEFT_OUT_MODULE = re.compile(r"^pytestmark = .*\bpytest\.mark\.(slow|vllm|distributed|gpu)\b", re.MULTILINE)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true", help=f"only the tests a developer runs in a minute: -m '{FAST}'")
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: needs vLLM (sampling) or runs for over ~20 s; -m 'not slow' leaves them out")
+    if config.getoption("--fast"):
+        config.option.markexpr = f"({config.option.markexpr}) and {FAST}" if config.option.markexpr else FAST
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under --fast, a test module left out whole (a `pytestmark` of a left-out marker, or under
+    tests/distributed/) is not even imported: the imports of some (vLLM, schemathesis) take seconds."""
+    if not config.getoption("--fast") or collection_path.suffix != ".py":
+        return None
+    if collection_path.is_relative_to(config.rootpath / "tests" / "distributed"):
+        return True
+    if collection_path.name.startswith("test_") and LEFT_OUT_MODULE.search(collection_path.read_text()):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/distributed/ starts PostgreSQL-, Redis- or Celery-backed processes."""
+    distributed = config.rootpath / "tests" / "distributed"
+    for item in items:
+        if item.path.is_relative_to(distributed):
+            item.add_marker(pytest.mark.distributed)
 
 
 # The pytest process ends without the interpreter's teardown. One clean-clone CI run (2026-12-02)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 def logprobs_after_steps(model_path, tokens: list[int], *, rank: int, seed: int, steps: int, lr: float,
@@ -13,7 +14,7 @@ def logprobs_after_steps(model_path, tokens: list[int], *, rank: int, seed: int,
     forward_backward calls, optim_step)."""
     engine = TrainerEngine(model_path, max_rank=max(rank, 16))
     engine.create_adapter("x", LoraConfig(rank=rank, seed=seed))
-    datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    datum = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
     for _ in range(steps):
         for _ in range(fwd_bwd_per_step):
             engine.forward_backward([ForwardBackwardInput("x", [datum])])

@@ -8,9 +8,11 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from celery import Celery
+
+from workers import store
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +84,14 @@ def start_heartbeat(client, key: str, record: Callable[[], dict]) -> None:
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
 
-def register_worker(client, sender, key: Callable[[str], str], base_model: str, status: Callable[[], dict]) -> str:
+def register_worker(client, sender, key: Callable[[str], str], base_model: str, status: Callable[[], dict],
+                    worker_id: str = "") -> str:
     """Register the Celery worker that sent worker_ready under `key(worker id)` (its id, base model,
-    queues and `status()`), kept alive by heartbeats; its worker id."""
+    queues and `status()`), kept alive by heartbeats; its worker id (`worker_id`, Settings.worker_id;
+    empty: the Celery node name, else the host name)."""
     import socket
 
-    worker_id = os.environ.get("LORAPLEX_WORKER_ID") or getattr(sender, "hostname", None) or socket.gethostname()
+    worker_id = worker_id or getattr(sender, "hostname", None) or socket.gethostname()
     consumer = getattr(sender, "task_consumer", None)
     queues = [q.name for q in consumer.queues] if consumer else []
     start_heartbeat(client, key(worker_id), lambda: {"worker_id": worker_id, "base_model": base_model, "queues": queues,
@@ -101,7 +105,9 @@ def redis_client(redis_url: str):
     return redis.Redis.from_url(redis_url)
 
 
-def make_app(redis_url: str) -> Celery:
+def make_app(redis_url: str | None = None) -> Celery:
+    """The Celery app on `redis_url` (broker and result backend; None: set before Celery first
+    reads the configuration, as make_worker_app does)."""
     app = Celery("loraplex", broker=redis_url, backend=redis_url)
     app.conf.update(
         task_acks_late=False,  # acked on receipt: a cycle is never redelivered after a crash
@@ -110,4 +116,21 @@ def make_app(redis_url: str) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    return app
+
+
+def make_worker_app(read_settings: Callable[[], Any], state: dict) -> Celery:
+    """A Celery worker's app. `read_settings()` (service.settings.Settings) runs once, when Celery
+    first reads the app's configuration as the worker starts, not when `celery -A` imports the
+    worker's module; the app then uses its Redis, and `state` gets the settings and a Redis client
+    (one client and connection pool for the process)."""
+    app = make_app()
+
+    def configure(sender: Celery, **_) -> None:
+        settings = read_settings()
+        store.use_cache_dir(settings.store_cache)
+        sender.conf.update(broker_url=settings.redis_url, result_backend=settings.redis_url)
+        state.update(settings=settings, client=redis_client(settings.redis_url))
+
+    app.on_configure.connect(configure, weak=False)
     return app

@@ -21,24 +21,24 @@ from celery import signals
 
 from service.settings import Settings
 from workers.celery_app import (
-    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_app, redis_client, register_worker, worker_key,
+    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_worker_app, register_worker, worker_key,
 )
 
-settings = Settings()
-app = make_app(settings.redis_url)
-client = redis_client(settings.redis_url)  # one client (and connection pool) for the process
-_state: dict = {}
+_state: dict = {}  # settings, client (make_worker_app), executor
+app = make_worker_app(Settings, _state)  # reads the settings when the worker starts, not on import
 
 
 @signals.worker_ready.connect
 def _start(sender=None, **_) -> None:
     """Load the engine once, register, and start the heartbeat."""
-    from scheduler.executor import InProcessExecutor
+    from workers.trainer.executor import InProcessExecutor
     from workers.models.registry import model_info
     from workers.trainer.engine import TrainerEngine
 
-    info = model_info(settings.base_model)
-    engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank, min_shared_prefix=settings.trainer_min_shared_prefix)
+    settings: Settings = _state["settings"]
+    info = model_info(settings.base_model, settings.model_cache)
+    engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank, min_shared_prefix=settings.trainer_min_shared_prefix,
+                           keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)
     executor = InProcessExecutor(engine, settings.live_dir,
                                  settings.max_resident_adapters, settings.state_write_interval_seconds,
                                  # this worker outlives the scheduler: a cycle it ran whose outcomes the scheduler
@@ -46,8 +46,9 @@ def _start(sender=None, **_) -> None:
                                  answer_resent=True)
     _state["executor"] = executor
     # "splitting": models halfway through a request run in parts here, which must not move away
-    register_worker(client, sender, worker_key, info.name,
-                    lambda: {"adapters": sorted(executor.engine.adapters), "splitting": sorted(executor.splitting())})
+    register_worker(_state["client"], sender, worker_key, info.name,
+                    lambda: {"adapters": sorted(executor.engine.adapters), "splitting": sorted(executor.splitting())},
+                    settings.worker_id)
 
 
 @signals.worker_shutdown.connect
@@ -58,6 +59,7 @@ def _finish_writes(**_) -> None:
 
 def _reply(key: str, outcomes) -> str:
     out_key = f"{key}:outcomes"
+    client = _state["client"]
     client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)
     client.rpush(f"{key}:done", out_key)  # wakes the executor's blocking wait at once
     client.expire(f"{key}:done", RESULT_TTL_SECONDS)
@@ -67,13 +69,13 @@ def _reply(key: str, outcomes) -> str:
 @app.task(name=TASK)
 def run_cycle(cycle_key: str) -> str:
     """Run the cycle stored at `cycle_key`; the outcomes go to `<cycle_key>:outcomes`."""
-    cycle, jobs = pickle.loads(client.get(cycle_key))
+    cycle, jobs = pickle.loads(_state["client"].get(cycle_key))
     return _reply(cycle_key, _state["executor"].run_cycle(cycle, jobs))
 
 
 @app.task(name=EVICT_TASK)
 def evict(key: str) -> str:
     """Write the full state of the models listed at `key` to the shared store and drop them (they move)."""
-    for model_id in pickle.loads(client.get(key)):
+    for model_id in pickle.loads(_state["client"].get(key)):
         _state["executor"].evict(model_id)
     return _reply(key, {})

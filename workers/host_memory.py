@@ -10,7 +10,8 @@ pass of 8 x 32 tokens, 5-12% of its time on 2 cores.
 heap is not trimmed below 2 GiB of free top, and every thread uses the main arena (the arenas of
 other threads are heaps of at most 64 MiB, whose larger blocks are always mmapped). The cost is
 that the process keeps its peak heap; a trainer's is bounded by its pass size. Call it early:
-threads that allocated before it keep their own arenas.
+threads that allocated before it keep their own arenas. The trainer engine calls it when it is
+created, unless the process's settings opt out (Settings.keep_glibc_malloc_defaults).
 """
 
 from __future__ import annotations
@@ -29,18 +30,17 @@ M_ARENA_MAX = -8
 
 MMAP_THRESHOLD = 1 << 30
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int
-OPT_OUT = "LORAPLEX_KEEP_GLIBC_MALLOC_DEFAULTS"
 
 _applied = False
 
 
-def retain_freed_host_memory() -> bool:
+def retain_freed_host_memory(keep_glibc_defaults: bool = False) -> bool:
     """Tune glibc malloc as above, once per process; False where it does not apply (not glibc,
-    opted out with LORAPLEX_KEEP_GLIBC_MALLOC_DEFAULTS=1, or the user set MALLOC_* variables)."""
+    `keep_glibc_defaults`, or the user set MALLOC_* variables: glibc's own, read as it reads them)."""
     global _applied
     if _applied:
         return True
-    if platform.libc_ver()[0] != "glibc" or os.environ.get(OPT_OUT, "") not in ("", "0"):
+    if platform.libc_ver()[0] != "glibc" or keep_glibc_defaults:
         return False
     if any(k.startswith("MALLOC_") for k in os.environ) or "GLIBC_TUNABLES" in os.environ:
         return False  # the user tuned malloc already

@@ -21,14 +21,12 @@ from celery import signals
 
 from service.settings import Settings
 from workers.celery_app import (
-    RESULT_TTL_SECONDS, SAMPLE_TASK, make_app, redis_client, register_worker, sample_done_key, sample_outcome_key,
+    RESULT_TTL_SECONDS, SAMPLE_TASK, make_worker_app, register_worker, sample_done_key, sample_outcome_key,
     sampler_key,
 )
 
-settings = Settings()
-app = make_app(settings.redis_url)
-client = redis_client(settings.redis_url)  # one client (and connection pool) for the process
-_state: dict = {}
+_state: dict = {}  # settings, client (make_worker_app), engine, ...
+app = make_worker_app(Settings, _state)  # reads the settings when the worker starts, not on import
 
 
 @signals.worker_ready.connect
@@ -37,13 +35,14 @@ def _start(sender=None, **_) -> None:
     from workers.models.registry import model_info
     from workers.sampler.engine import SamplerConfig, SamplerEngine
 
-    info = model_info(settings.base_model)
+    settings: Settings = _state["settings"]
+    info = model_info(settings.base_model, settings.model_cache)
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info)).start()
     if settings.metrics_port:
         prometheus_client.start_http_server(settings.metrics_port)
-    worker_id = register_worker(client, sender, sampler_key, info.name, lambda: {
+    worker_id = register_worker(_state["client"], sender, sampler_key, info.name, lambda: {
         "pending": engine.pending, "ready": engine.ready.is_set(),
-        "failed": None if engine.failed is None else str(engine.failed)})
+        "failed": None if engine.failed is None else str(engine.failed)}, settings.worker_id)
     _state.update(engine=engine, worker_id=worker_id, done_key=sample_done_key(info.name))
 
 
@@ -55,6 +54,7 @@ def _stop(**_) -> None:
 
 def _done(request_id: str, outcome) -> None:
     """Engine thread: the outcome (SampleResult or EngineError) back to the scheduler."""
+    client = _state["client"]
     client.set(sample_outcome_key(request_id), pickle.dumps(outcome), ex=RESULT_TTL_SECONDS)
     client.rpush(_state["done_key"], json.dumps({"request_id": request_id, "worker_id": _state["worker_id"]}))
 
@@ -62,9 +62,9 @@ def _done(request_id: str, outcome) -> None:
 @app.task(name=SAMPLE_TASK)
 def sample(job_key: str) -> None:
     from workers.sampler.jobs import SampleJob
-    from workers.trainer.errors import EngineError
+    from contract.errors import EngineError
 
-    raw = client.get(job_key)
+    raw = _state["client"].get(job_key)
     if raw is None:
         return  # expired: the scheduler gave up on it long ago
     job = SampleJob.from_json(raw)

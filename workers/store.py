@@ -11,8 +11,8 @@ Engines and vLLM read and write local folders, so the store moves whole folders:
   write: atomic on object stores and WebDAV) and the old version is removed, so a reader never
   sees half a folder, and a crash mid-upload leaves the previous version current.
 - `local_folder(location)` gives a local folder to read: the folder itself on a local store; on a
-  remote one, a download of the current version into a cache (LORAPLEX_STORE_CACHE), reused while
-  that version is current (a version never changes once written).
+  remote one, a download of the current version into this process's cache (`use_cache_dir`),
+  reused while that version is current (a version never changes once written).
 """
 
 from __future__ import annotations
@@ -30,7 +30,23 @@ from typing import Iterator
 import fsspec
 
 CURRENT = "CURRENT"
-CACHE_DIR = Path(os.environ.get("LORAPLEX_STORE_CACHE", Path(tempfile.gettempdir()) / "loraplex-store-cache"))
+DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / "loraplex-store-cache"
+# Where local_folder downloads remote folders. One per process, set by its entry point from
+# Settings.store_cache (use_cache_dir), rather than a parameter: every reader of the store shares it
+# (API routes, the scheduler's state checks, the trainer and sampler engines, the admin CLI), as
+# they share fsspec's own configuration, and passing it down would add it to each function that
+# reads a checkpoint by its location.
+_cache_dir = DEFAULT_CACHE_DIR
+
+
+def use_cache_dir(path: str | Path) -> None:
+    """Download remote folders under `path` from now on (empty: DEFAULT_CACHE_DIR)."""
+    global _cache_dir
+    _cache_dir = Path(path).expanduser() if str(path) else DEFAULT_CACHE_DIR
+
+
+def cache_dir() -> Path:
+    return _cache_dir
 
 
 def is_remote(location: str | Path) -> bool:
@@ -106,7 +122,7 @@ def local_folder(location: str | Path) -> Path | None:
     version = _current_version(fs, path)
     if version is None:
         return None
-    cached = CACHE_DIR / hashlib.sha256(str(location).encode()).hexdigest()[:24] / version
+    cached = _cache_dir / hashlib.sha256(str(location).encode()).hexdigest()[:24] / version
     if not cached.is_dir():
         cached.parent.mkdir(parents=True, exist_ok=True)
         download = Path(tempfile.mkdtemp(prefix=".download-", dir=cached.parent))

@@ -20,7 +20,7 @@ from api.lookups import owned_model
 from db.models import Checkpoint, TrainingModel, utcnow
 from db.models import Request as RequestRow
 from scheduler import janitor
-from workers.trainer.checkpoints import CheckpointError, export_peft
+from workers.trainer.checkpoint_files import CheckpointError
 
 router = APIRouter()
 CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler"}
@@ -135,6 +135,10 @@ def set_ttl(run_id: str, checkpoint_id: str, body: Ttl, tenant: CurrentTenant, d
 def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTenant, db: DB) -> FileResponse:
     """The checkpoint's adapter as a PEFT folder named `adapter`, in a .tar.gz (training states
     are exported to PEFT; the Adam moments stay on the server)."""
+    # Converting a training state reads its tensors (torch, peft): loaded on the first download only,
+    # so an API replica that serves none stays without torch.
+    from workers.trainer.checkpoints import export_peft
+
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
     work = Path(tempfile.mkdtemp(prefix="loraplex-archive-"))
     adapter = work / "adapter"

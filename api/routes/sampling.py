@@ -22,11 +22,12 @@ from api.deps import DB, CurrentTenant
 from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
 from api.submit import submit
+from contract.kinds import RequestKind
 from db.models import Checkpoint, Sampler, new_id
 from loraplex.wire.codec import WireError, model_input_tokens
-from scheduler.sampling import SAMPLE, SamplerBusy, SamplerUnavailable
+from scheduler.sampling import SamplerBusy, SamplerUnavailable
 from workers.sampler.jobs import SampleJob, SamplingOptions
-from workers.trainer.checkpoints import read_snapshot_metadata
+from workers.trainer.checkpoint_files import read_snapshot_metadata
 
 router = APIRouter()
 MAX_TOPK = 20  # vLLM's default max_logprobs
@@ -208,8 +209,8 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         recorded_sequence_ids=tuple(sequence_ids) if body.record_stability_info else (),
         policy_version=_snapshot_version(adapter_path) if adapter_path is not None else None,
     )
-    accepted = submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id, kind=SAMPLE,
-                      payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,
+    accepted = submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id,
+                      kind=RequestKind.SAMPLE, payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,
                       dispatch=lambda: dispatcher.submit(job))
     accepted["sample_sequence_ids"] = sequence_ids  # a retry's: the same (sampler, seq_id), the same ids
     return accepted

@@ -1,12 +1,13 @@
 """Training models: create, get_info, forward_backward, optim_step, save and load weights.
 
-Every heavy call is validated here (errors name the field, 4xx), stored, queued, and answered
-at once with a request id; the scheduler runs it in the model's seq_id order.
+Every heavy call is validated here (errors name the field, 4xx), stored with its payload
+(contract/payloads.py), queued, and answered at once with a request id; the scheduler runs it in
+the model's seq_id order. The checks are the engine's own, run without torch (contract/configs.py,
+workers/trainer/inputs.py): a request the engine would refuse is refused here.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -23,20 +24,24 @@ from api.paths import (
 )
 from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
 from api.submit import submit
+from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, check_adam_params
+from contract.errors import InvalidInputError
+from contract.kinds import RequestKind
+from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
 from db.models import Checkpoint, Sampler, TrainingModel
-from loraplex.wire.codec import WireError, decode_body, decode_forward_backward_request
+from loraplex.types import DEFAULT_LORA_RANK, AdamParams
+from loraplex.wire.codec import PROTOBUF, WireError, decode_body, decode_forward_backward_request
 from scheduler import stability
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, prepare_request
-from workers.trainer.checkpoints import read_manifest
-from workers.trainer.errors import InvalidInputError
+from workers.trainer.checkpoint_files import read_manifest
+from workers.trainer.inputs import check_request, from_wire
 
 router = APIRouter()
-PROTOBUF = "application/x-protobuf"
 
 
 class LoraConfigIn(BaseModel):
-    rank: int = 32
+    """The lora_config of a create_model request as the client sent it (`lora_config()` resolves it)."""
+
+    rank: int = DEFAULT_LORA_RANK
     seed: Seed | None = None
     alpha: float | None = None
     train_unembed: bool = True
@@ -99,7 +104,7 @@ class LoadWeights(BaseModel):
 
 def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
     cfg = LoraConfig(
-        rank=body.rank, alpha=body.alpha if body.alpha is not None else 32.0,
+        rank=body.rank, alpha=body.alpha if body.alpha is not None else DEFAULT_LORA_ALPHA,
         seed=body.seed if body.seed is not None else secrets.randbits(31),  # Tinker: no seed = random
         train_attn=body.train_attn, train_mlp=body.train_mlp, train_unembed=body.train_unembed,
     )
@@ -124,8 +129,8 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
             lora_config=cfg.to_dict(), user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
         ))
         db.flush()
-    payload = json.dumps({"lora_config": cfg.to_dict()}).encode()
-    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=0, kind="create_model", payload=payload)
+    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=0,
+                  kind=RequestKind.CREATE_MODEL, payload=CreateModelPayload(lora_config=cfg).to_bytes())
 
 
 @router.post("/get_info")
@@ -165,19 +170,15 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
         wire, proto = stability.attach_recorded_inputs(db, tenant_id, wire, proto)
     except InvalidInputError as e:
         raise HTTPException(400, str(e)) from None
-    engine_request = ForwardBackwardInput(
-        wire.model_id, [Datum(d.tokens, dict(d.loss_fn_inputs)) for d in wire.data], wire.loss_fn,
-        dict(wire.loss_fn_config), wire.forward_only,
-    )
     num_tokens = sum(len(d.tokens) for d in wire.data)
     try:
-        prepare_request(0, engine_request, info.vocab_size, info.max_context)
+        check_request(from_wire(wire), info.vocab_size, info.max_context)
     except InvalidInputError as e:
         raise HTTPException(400, str(e)) from None
     quotas.check_training_tokens(db, tenant_id, num_tokens)
     return submit(
         request.app.state.scheduler, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
-        kind="forward" if wire.forward_only else "forward_backward", payload=proto,
+        kind=RequestKind.FORWARD if wire.forward_only else RequestKind.FORWARD_BACKWARD, payload=proto,
         content_type=PROTOBUF, num_tokens=num_tokens,
     )
 
@@ -194,27 +195,25 @@ def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db:
         raise HTTPException(400, f"adam_params.type: optimizer {str(raw['type'])[:64]!r} is not supported; use AdamW")
     try:
         adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
-        adam.validate()
+        check_adam_params(adam)
     except TypeError as e:
         raise HTTPException(400, f"adam_params: {e}") from None
     except InvalidInputError as e:
         raise HTTPException(400, str(e)) from None
-    payload = json.dumps({"adam_params": adam.__dict__}).encode()
     return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
-                  kind="optim_step", payload=payload)
+                  kind=RequestKind.OPTIM_STEP, payload=OptimStepPayload(adam_params=adam).to_bytes())
 
 
-def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str, dir_kind: str) -> dict:
+def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: RequestKind, dir_kind: str) -> dict:
     model = owned_model(db, tenant_id, body.model_id)
     quotas.check_storage(db, tenant_id)
-    payload: dict[str, Any] = {"kind": "training_state" if dir_kind == "weights" else "sampler",
-                               "ttl_seconds": body.ttl_seconds, "user_metadata": body.user_metadata}
+    snapshot: dict[str, Any] = {}  # an unnamed snapshot: the sampler it is for
     if body.path is None and dir_kind == "sampler_weights":
         if body.sampling_session_seq_id is None:
             raise HTTPException(400, "path or sampling_session_seq_id: one of them is required")
         sid = sampler_id(model.session_id, body.sampling_session_seq_id)
         name = f"snapshot-{body.seq_id}"
-        payload.update(sampling_session_id=sid, ephemeral=True)
+        snapshot = {"sampling_session_id": sid, "ephemeral": True}
     else:
         name = checkpoint_name(body.path or f"ckpt-{body.seq_id}", "path")
     path = TinkerPath(model.id, dir_kind, name)
@@ -224,23 +223,25 @@ def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: str
     folder = storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)
     if dir_kind == "sampler_weights":  # a new folder per save: samplers of an earlier save keep theirs
         folder = snapshot_folder(folder, body.seq_id)
-    payload.update(name=name, tinker_path=str(path), storage_path=folder)
-    if payload.get("sampling_session_id") and db.get(Sampler, payload["sampling_session_id"]) is None:
-        db.add(Sampler(id=payload["sampling_session_id"], tenant_id=tenant_id, session_id=model.session_id,
+    payload = SaveWeightsPayload(kind="training_state" if dir_kind == "weights" else "sampler",
+                                 ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata, **snapshot,
+                                 name=name, tinker_path=str(path), storage_path=folder)
+    if payload.sampling_session_id and db.get(Sampler, payload.sampling_session_id) is None:
+        db.add(Sampler(id=payload.sampling_session_id, tenant_id=tenant_id, session_id=model.session_id,
                        base_model=model.base_model, model_path=str(path), adapter_path=folder))
         db.flush()
     return submit(request.app.state.scheduler, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
-                  payload=json.dumps(payload).encode())
+                  payload=payload.to_bytes())
 
 
 @router.post("/save_weights")
 def save_weights(body: SaveWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
-    return _save(request, db, tenant.id, body, "save_weights", "weights")
+    return _save(request, db, tenant.id, body, RequestKind.SAVE_WEIGHTS, "weights")
 
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
-    return _save(request, db, tenant.id, body, "save_weights_for_sampler", "sampler_weights")
+    return _save(request, db, tenant.id, body, RequestKind.SAVE_WEIGHTS_FOR_SAMPLER, "sampler_weights")
 
 
 @router.post("/load_weights")
@@ -268,9 +269,9 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
         mid, seq = owned_model(db, tenant.id, body.model_id).id, body.seq_id
     else:
         raise HTTPException(400, "session_id and model_seq_id (or model_id and seq_id) are required")
-    payload = {"storage_path": checkpoint.storage_path, "optimizer": body.optimizer, "tinker_path": body.path}
-    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=seq, kind="load_weights",
-                  payload=json.dumps(payload).encode())
+    payload = LoadWeightsPayload(storage_path=checkpoint.storage_path, optimizer=body.optimizer, tinker_path=body.path)
+    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=seq,
+                  kind=RequestKind.LOAD_WEIGHTS, payload=payload.to_bytes())
 
 
 class WeightsInfo(BaseModel):

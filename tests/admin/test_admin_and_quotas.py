@@ -21,6 +21,8 @@ from admin.cli import app
 from db.models import Request
 from tests.servers import running_server
 
+pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler (sampling quotas)
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from admin.cli import app
 from db.models import Tenant
-from scheduler.live_state import read_slots
 from tests.scheduler.test_live_state_integrity import corrupt
 from tests.scheduler.test_live_state_recovery import SETTINGS, train
 from tests.servers import running_server
+from workers.trainer.live_slots import read_slots
 from tests.service.test_scheduling import PROTOBUF, assert_same_as_uninterrupted, http_client, proto_body, sft_data, \
     wait_result
+
+pytestmark = pytest.mark.slow  # servers restarted to repair damaged models
 
 
 def admin(data_dir: Path, *args: str, ok: bool = True) -> str:

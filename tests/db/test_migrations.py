@@ -47,7 +47,7 @@ def postgres_unreachable() -> str | None:
         engine.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.distributed)])
 def database_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
     """An empty database: a fresh SQLite file, or a fresh uniquely named Postgres database."""
     if request.param == "sqlite":

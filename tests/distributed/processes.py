@@ -23,12 +23,19 @@ def service_env(redis_url: str, data_dir: Path, **more: str) -> dict[str, str]:
 
 
 def _wait_registered(process: subprocess.Popen, redis_url: str, key: str, seconds: float = 180) -> None:
+    """Wait until the worker registered itself; one that does not is killed, so that it cannot take
+    later tests' tasks from its queue."""
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + seconds
-    while client.get(key) is None:
-        assert process.poll() is None, f"the process registering {key} exited"
-        assert time.monotonic() < deadline, f"nothing registered {key}"
-        time.sleep(0.1)
+    try:
+        while client.get(key) is None:
+            assert process.poll() is None, f"the process registering {key} exited"
+            assert time.monotonic() < deadline, f"nothing registered {key}"
+            time.sleep(0.1)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
 
 
 def celery_worker(module: str, name: str, queue: str, env: dict[str, str]) -> subprocess.Popen:

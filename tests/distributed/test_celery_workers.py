@@ -14,15 +14,16 @@ import redis
 import tinker
 from tinker import types
 
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker, wait_for
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
 
@@ -68,7 +69,7 @@ def test_cycles_on_celery_workers_give_the_in_process_numbers(cluster, tiny_mode
     local = TrainerEngine(tiny_model_path, max_rank=16)
     for i, name in enumerate(tokens):
         local.create_adapter(name, LoraConfig(rank=4, seed=i + 1))
-        d = Datum(tokens[name][:-1], {"target_tokens": tokens[name][1:], "weights": [1.0] * (len(tokens[name]) - 1)})
+        d = EngineDatum(tokens[name][:-1], {"target_tokens": tokens[name][1:], "weights": [1.0] * (len(tokens[name]) - 1)})
         assert local.forward_backward([ForwardBackwardInput(name, [d])])[0].metrics["loss:sum"] == pytest.approx(losses[name], rel=1e-6)
         local.optim_step([(name, AdamParams(learning_rate=1e-2))])
         expected = local.forward([ForwardBackwardInput(name, [d])])[0].loss_fn_outputs[0]["logprobs"].tolist()
@@ -148,7 +149,7 @@ def test_a_restarted_server_loses_no_accepted_request(cluster, tiny_model_path):
 
     expected_engine = TrainerEngine(tiny_model_path, max_rank=16)
     expected_engine.create_adapter("x", LoraConfig(rank=4, seed=5))
-    d = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    d = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
     expected_engine.forward_backward([ForwardBackwardInput("x", [d])] * 2)  # seq 1 and 2 accumulate
     expected_engine.optim_step([("x", AdamParams(learning_rate=1e-2))])
     expected = expected_engine.forward([ForwardBackwardInput("x", [d])])[0].loss_fn_outputs[0]["logprobs"].tolist()

@@ -28,7 +28,7 @@ from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
 from workers import store
 from workers.celery_app import sampler_key
-from workers.trainer.checkpoints import read_manifest
+from workers.trainer.checkpoint_files import read_manifest
 
 REDIS_URL = "redis://127.0.0.1:6379/6"
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)

@@ -11,6 +11,7 @@ import redis
 import tinker
 from tinker import types
 
+from loraplex.types import AdamParams
 from loraplex.wire.client import decode_forward_backward_output
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
@@ -18,8 +19,7 @@ from tests.distributed.processes import start_worker
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.service.test_scheduling import PROTOBUF, http_client, proto_body, wait_result
 from tests.service.test_split_requests import LR, cycles_of, engine_data, reference, rows, sdk_data
-from workers.trainer.adapters import AdamParams
-from workers.trainer.batch import ForwardBackwardInput
+from workers.trainer.inputs import ForwardBackwardInput
 
 REDIS_URL = "redis://127.0.0.1:6379/10"
 

@@ -22,6 +22,8 @@ from loraplex.wire.codec import decode_forward_backward_request
 from tests.ecosystem.cookbook_runs import RENDERER, check_chat_sl, final_state, run_recipe, steps, tenant
 from tests.servers import running_server
 
+pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -13,6 +13,8 @@ import pytest
 from tests.ecosystem.cookbook_runs import check_chat_sl
 from tests.servers import running_server
 
+pytestmark = pytest.mark.vllm  # the server runs SmolLM2's vLLM sampler
+
 
 @pytest.mark.slow  # 45-130 s on 2 cores: SmolLM2-135M (30 layers), 6 steps of 8 chats, and its vLLM sampler
 def test_chat_sl_trains_smollm2_on_the_cookbook_conversations(tmp_path):

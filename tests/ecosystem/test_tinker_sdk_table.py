@@ -26,7 +26,7 @@ def test_every_public_method_of_the_installed_sdk_has_a_call_and_a_row():
     assert sorted(rows) == methods, REGENERATE
 
 
-@pytest.mark.slow  # the sampling calls need the vLLM sampler; ~30 s
+@pytest.mark.vllm  # the sampling calls need the vLLM sampler; ~30 s
 def test_the_table_is_what_the_sdk_gets_from_a_server_today(tmp_path):
     with running_server(tmp_path) as server:
         table = render(probe(server.base_url, server.new_tenant()))

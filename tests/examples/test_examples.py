@@ -11,6 +11,8 @@ import loraplex
 from examples import driver, rl_arithmetic, sft
 from tests.servers import running_server
 
+pytestmark = pytest.mark.vllm  # the examples sample through the server's vLLM sampler
+
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):

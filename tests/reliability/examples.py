@@ -17,6 +17,10 @@ from tests.reliability.world import World
 PUBLIC, TENANT, OWNED = "public", "tenant", "owned"
 V1 = "/api/v1"
 CHECKPOINT = f"{V1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}"
+TRAJECTORY = f"{V1}/rollouts/trajectories/{{session_id}}"
+OAI = "/oai/api/v1"
+ANY_METHOD = ("GET", "POST", "PUT", "PATCH", "DELETE")
+OAI_SAMPLE = {"max_tokens": 2, "temperature": 0.0}
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,23 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         OWNED, lambda w: {"session_id": w.ids.session}, **NOT_SUPPORTED),
     ("POST", f"{V1}/sessions/search"): Example(TENANT, body=fixed({"user_metadata": {}, "limit": 50}),
                                                owner_status=frozenset({400})),
+
+    # the rollout store (api/routes/rollouts.py) and the OpenAI-compatible inference API (api/inference/)
+    ("GET", f"{V1}/rollouts/trajectories"): Example(TENANT),
+    ("GET", TRAJECTORY): Example(OWNED, lambda w: {"session_id": w.ids.trajectory}),
+    ("PUT", f"{TRAJECTORY}/reward"): Example(OWNED, lambda w: {"session_id": w.ids.trajectory}, fixed({"reward": 0.5})),
+    ("GET", f"{TRAJECTORY}/datums"): Example(OWNED, lambda w: {"session_id": w.ids.trajectory}),
+    ("DELETE", TRAJECTORY): Example(OWNED, lambda w: {"session_id": w.ids.delete_trajectory}),
+    ("POST", f"{OAI}/chat/completions"): Example(OWNED, body=lambda w, seq: {
+        "model": w.ids.sampler_weights, "messages": [{"role": "user", "content": "hi"}], **OAI_SAMPLE},
+        needs_sampler=True),
+    ("POST", f"{OAI}/completions"): Example(OWNED, body=lambda w, seq: {
+        "model": w.ids.sampler_weights, "prompt": [5, 6, 7], **OAI_SAMPLE}, needs_sampler=True),
+    ("GET", f"{OAI}/models"): Example(TENANT),
+    **{(method, f"{OAI}/{{route:path}}"): Example(TENANT, lambda w: {"route": "responses"},
+                                                  owner_status=frozenset({404})) for method in ANY_METHOD},
+    **{(method, "/anthropic/{route:path}"): Example(TENANT, lambda w: {"route": "v1/messages"},
+                                                    owner_status=frozenset({404})) for method in ANY_METHOD},
 }
 
 

@@ -19,13 +19,14 @@ from tests.reliability.examples import EXAMPLES, OWNED, PUBLIC, TENANT, bare_app
 from tests.reliability.world import IDENTITIES, World, build_world
 from tests.servers import running_server
 
+pytestmark = pytest.mark.slow  # 226 calls against a server
 ROUTES = route_table(bare_app())
 
 
 def cases():
     for route in ROUTES:
         example = EXAMPLES.get(route)
-        marks = [pytest.mark.slow] if example is not None and example.needs_sampler else []
+        marks = [pytest.mark.vllm] if example is not None and example.needs_sampler else []
         for identity in IDENTITIES:
             yield pytest.param(route, identity, id=f"{route[0]} {route[1]} [{identity}]", marks=marks)
 

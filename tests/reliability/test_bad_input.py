@@ -21,6 +21,7 @@ from tests.reliability.checks import Bystander, assert_refused, refusal_problems
 from tests.reliability.client import Api, checkpoint_url, send
 from tests.servers import running_server
 
+pytestmark = pytest.mark.slow  # ~70 attacks, a bystander's checks after each
 PROBE_SECONDS = 10.0  # a forward on the tiny model takes milliseconds; a stalled seq_id waits 60 s
 
 
@@ -106,7 +107,7 @@ def test_bad_input_is_refused_clearly_and_harms_nobody(attack, server, attacker,
     assert not problems, f"{'; '.join(problems)} -- answer: {response.status_code} {response.text[:300]!r}"
 
 
-@pytest.mark.slow
+@pytest.mark.vllm  # sampling_server runs the vLLM sampler
 @pytest.mark.parametrize("attack", SAMPLE_ATTACKS, ids=lambda attack: attack.name)
 def test_bad_sampling_input_is_refused_clearly_and_harms_nobody(attack, sampling_server, sampling_actors):
     attacker, bystander = sampling_actors

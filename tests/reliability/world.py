@@ -1,6 +1,7 @@
 """What the authorization matrix acts on: five callers (the owner, another tenant, no key, the
 owner's revoked key, a disabled tenant's key) and the owner's resources of every kind a route can
-name: sessions, a trained model, training and sampler checkpoints, a sampler, a finished request.
+name: sessions, a trained model, training and sampler checkpoints, a sampler, a finished request,
+trajectories of the rollout store.
 
 Tenants and keys come from service/tenants.py; revoking a key and disabling a tenant go through
 `loraplex-admin` (admin/cli.py), the operator's commands, since service/tenants.py has no function
@@ -16,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typer.testing import CliRunner
 
 from admin.cli import app as admin_app
+from db import rollouts
 from db.models import new_id
 from service.tenants import create_tenant, issue_key
 from tests.reliability.client import Api
@@ -36,6 +38,8 @@ class Ids:
     delete_checkpoint: str  # deleted by the matrix
     sampler_weights: str  # tinker://<model>/sampler_weights/sw
     sampler: str
+    trajectory: str  # a rollout-store trajectory (session id) with a reward
+    delete_trajectory: str  # deleted by the matrix
 
     def missing(self) -> "Ids":
         """Ids of the same form that name nothing: another tenant must not tell them from ours."""
@@ -44,7 +48,8 @@ class Ids:
         return Ids(session=session, spare_session=spare, model=model, request=new_id(),
                    checkpoint=f"tinker://{model}/weights/c1", publish_checkpoint=f"tinker://{model}/weights/pub",
                    delete_checkpoint=f"tinker://{model}/weights/del",
-                   sampler_weights=f"tinker://{model}/sampler_weights/sw", sampler=f"{session}:sample:0")
+                   sampler_weights=f"tinker://{model}/sampler_weights/sw", sampler=f"{session}:sample:0",
+                   trajectory=new_id(), delete_trajectory=new_id())
 
     def normalize(self, text: str) -> str:
         """`text` with every id replaced by its name (longest first: a model id holds its session id)."""
@@ -108,6 +113,21 @@ def build_world(server) -> World:
     ids = Ids(session=session, spare_session=spare, model=model, request=request,
               checkpoint=f"tinker://{model}/weights/c1", publish_checkpoint=f"tinker://{model}/weights/pub",
               delete_checkpoint=f"tinker://{model}/weights/del", sampler_weights=sampler_weights,
-              sampler=created.json()["sampling_session_id"])
+              sampler=created.json()["sampling_session_id"], trajectory=_trajectory(server, owner_id, reward=1.0),
+              delete_trajectory=_trajectory(server, owner_id))
     keys = {"owner": owner_key, "other": other_key, "none": None, "revoked": revoked_key, "disabled": disabled_key}
     return World(server.base_url, keys, ids, owner_id, itertools.count(7))
+
+
+def _trajectory(server, tenant_id: str, reward: float | None = None) -> str:
+    """A one-turn trajectory in the owner's rollout store, written as the inference API writes one
+    (no sampler needed: the matrix's own calls of those routes record more)."""
+    turn = rollouts.NewTurn(id=new_id(), api="completions", model="tiny", sampler_path=None, adapter_path=None,
+                            policy_version=None, request_id=new_id(), prompt=[5, 6, 7],
+                            choices=[rollouts.SampledChoice([8, 9], [-1.0, -2.0], "length")],
+                            request_body={"model": "tiny", "prompt": [5, 6, 7]}, response_body={})
+    session_id, _ = rollouts.record_turn(server.embedded.sessions, tenant_id, None, turn)
+    if reward is not None:
+        with server.embedded.sessions() as s:
+            rollouts.set_reward(s, tenant_id, session_id, reward, None, None)
+    return session_id

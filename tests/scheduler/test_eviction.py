@@ -8,12 +8,13 @@ import threading
 
 import numpy as np
 
+from contract.queue import Job
+from contract.queue import QueuedRequest
+from contract.queue import Cycle
 from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
-from scheduler.executor import InProcessExecutor, Job
-from scheduler.ordering import QueuedRequest
-from scheduler.planner import Cycle
 from workers.compute_thread import ComputeThread
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.executor import InProcessExecutor
 
 TOKENS = {"a": list(range(10, 30)), "b": list(range(40, 52)), "c": list(range(60, 90))}
 

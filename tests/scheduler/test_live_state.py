@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import time
 
-from scheduler.executor import InProcessExecutor
-from scheduler.planner import Cycle
+from contract.queue import Cycle
 from tests.scheduler.test_eviction import forward_backward, request
-from workers.trainer.checkpoints import read_manifest
+from workers.trainer.checkpoint_files import read_manifest
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.executor import InProcessExecutor
 
 
 def create(executor: InProcessExecutor, model: str) -> None:

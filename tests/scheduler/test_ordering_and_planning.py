@@ -2,7 +2,8 @@
 
 import pytest
 
-from scheduler.ordering import QueuedRequest, ReorderBuffer
+from contract.queue import QueuedRequest
+from scheduler.ordering import ReorderBuffer
 from scheduler.planner import CyclePlanner
 
 

@@ -8,12 +8,14 @@ import json
 import numpy as np
 import torch
 
+from contract.queue import Job
+from contract.queue import QueuedRequest
+from contract.queue import Cycle, Part
+from contract.queue import PartProgress
 from loraplex.wire.client import encode_forward_backward_request
-from scheduler.executor import InProcessExecutor, Job
-from scheduler.ordering import QueuedRequest
-from scheduler.planner import Cycle, CyclePlanner, Part
+from scheduler.planner import CyclePlanner
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.parts import PartProgress
+from workers.trainer.executor import InProcessExecutor
 
 
 def req(model: str, seq: int, tokens: int = 10, tenant: str | None = None, kind: str = "forward_backward"):

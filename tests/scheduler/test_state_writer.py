@@ -4,8 +4,9 @@ import threading
 
 import torch
 
-from scheduler.state_writer import StateWriter
-from workers.trainer.checkpoints import TrainingState, read_manifest
+from workers.trainer.checkpoint_files import read_manifest
+from workers.trainer.checkpoints import TrainingState
+from workers.trainer.state_writer import StateWriter
 
 
 class HeldState(TrainingState):

@@ -21,6 +21,9 @@ from loraplex import types
 from service.embedded import free_port
 from tests.servers import running_server
 
+pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
+
+
 TOKENS = list(range(10, 30))
 
 

@@ -30,7 +30,7 @@ def drop_postgres_database(name: str) -> None:
     engine.dispose()
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.distributed)])
 def server(request, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("loraplex")
     database_url, pg_name = "", None

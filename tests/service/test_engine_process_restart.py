@@ -10,6 +10,7 @@ from tinker import types
 from tests.servers import running_server
 from tests.uninterrupted import logprobs_after_steps
 
+pytestmark = pytest.mark.slow  # an engine child process killed and replaced
 TOKENS = list(range(10, 30))
 
 

@@ -4,6 +4,7 @@ libgomp prints the settings it runs with under OMP_DISPLAY_ENV=VERBOSE, so the t
 torch's OpenMP runtime took, not only the environment."""
 
 import os
+import pytest
 import re
 import subprocess
 import sys
@@ -14,9 +15,11 @@ import torch
 from examples.driver import embedded_server
 from service.embedded import free_port
 
+pytestmark = pytest.mark.slow  # fresh interpreters that load torch, and a server
 APPLY_THEN_LOAD_TORCH = """
 from service.openmp import spin_between_parallel_regions
-print("applied" if spin_between_parallel_regions() else "not applied")
+from service.settings import Settings
+print("applied" if spin_between_parallel_regions(Settings().keep_openmp_defaults) else "not applied")
 import torch
 torch.ones(4).sum()
 """

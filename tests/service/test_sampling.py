@@ -15,6 +15,9 @@ from transformers import AutoTokenizer
 
 from tests.servers import metric, running_server
 
+pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
+
+
 PROMPT = [5, 6, 7, 8, 9]
 MAX_PENDING = 4
 

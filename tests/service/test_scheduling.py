@@ -13,11 +13,12 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from contract.queue import QueuedRequest
 from db.models import Request, RequestState, TrainingModel
-from scheduler.ordering import QueuedRequest
 from service.embedded import ServerThread, free_port
 from tests.servers import metric
 
+pytestmark = pytest.mark.slow  # two servers (SQLite; Postgres with the engine in a child process), restarts
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 

@@ -12,15 +12,17 @@ import tinker
 import torch
 from tinker import types
 
+from contract.configs import LoraConfig
 from db.models import Request, RequestState, TrainingModel
+from loraplex.types import AdamParams
 from loraplex.wire.client import decode_forward_backward_output
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.service.test_scheduling import PROTOBUF, http_client, proto_body, wait_result
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
+pytestmark = pytest.mark.slow  # servers restarted halfway through requests in parts
 LR = 1e-2
 
 
@@ -54,8 +56,8 @@ def sdk_data(token_rows) -> list[types.Datum]:
             for r in token_rows]
 
 
-def engine_data(token_rows) -> list[Datum]:
-    return [Datum(r[:-1], {"target_tokens": r[1:], "weights": weights(r)}) for r in token_rows]
+def engine_data(token_rows) -> list[EngineDatum]:
+    return [EngineDatum(r[:-1], {"target_tokens": r[1:], "weights": weights(r)}) for r in token_rows]
 
 
 def weights(row: np.ndarray) -> np.ndarray:

@@ -14,17 +14,18 @@ import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from contract.errors import InvalidInputError
+from contract.queue import Job
+from contract.queue import QueuedRequest
 from db.models import RecordedSequence, Tenant, utcnow
 from loraplex.wire.codec import decode_forward_backward_request
 from scheduler import stability
-from scheduler.executor import Job, engine_input
-from scheduler.ordering import QueuedRequest
 from tests.servers import running_server
 from workers.trainer.batch import prepare_request
-from workers.trainer.errors import InvalidInputError
-from workers.trainer.losses import RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from workers.trainer.executor import engine_input
+from workers.trainer.loss_specs import RECORDED_LOGPROBS, RECORDED_SEQUENCE
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
 PROMPT = [5, 6, 7, 8, 9]
 PARAMS = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[])
 

@@ -11,8 +11,10 @@ import pytest
 import tinker
 from tinker import types
 
-from workers.trainer.losses import LOSSES
+from tests.waiting import wait_until
+from workers.trainer.loss_specs import LOSS_SPECS
 
+pytestmark = pytest.mark.slow  # two servers (SQLite; Postgres with the engine in a child process)
 VOCAB = 512
 
 
@@ -37,7 +39,7 @@ def test_training_flow_of_the_official_sdk(server, service_client, api_key):
 
     data = [datum("cross_entropy", 12, rng) for _ in range(3)]
     before = tc.forward(data, "cross_entropy").result()
-    for loss_fn in sorted(LOSSES):
+    for loss_fn in sorted(LOSS_SPECS):
         if loss_fn == "stable_reinforce":  # trains recorded samples only (tests/service/test_stable_reinforce.py)
             with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_input_spans: stable_reinforce needs"):
                 tc.forward_backward([datum(loss_fn, 9, rng)], loss_fn).result()
@@ -130,7 +132,9 @@ def test_many_waiting_long_polls_do_not_starve_other_requests(server, api_key):
     request_id = waiting.json()["request_id"]
     with ThreadPoolExecutor(24) as pool:
         polls = [pool.submit(post, "retrieve_future", json={"request_id": request_id}) for _ in range(24)]
-        time.sleep(1.0)  # all of them are waiting now
+        waiters = server.embedded.app.state.notifier._waiters  # a long-poll registers there before it waits
+        wait_until(lambda: len(waiters.get(request_id, ())) > 15, "more long-polls waiting than the pool holds",
+                   timeout=30)
         start = time.monotonic()
         assert post("create_session", json={"tags": []}).status_code == 200
         assert time.monotonic() - start < 3

@@ -98,7 +98,7 @@ def stable_reinforce_reference(tlp, inputs: dict, config: dict) -> torch.Tensor:
 
 def random_datum(loss_fn: str, n: int, gen: torch.Generator, vocab: int, k: int | None = None):
     """A datum of n positions with plausible inputs for `loss_fn` (sampler logprobs near the tiny model's)."""
-    from workers.trainer.batch import Datum
+    from workers.trainer.inputs import EngineDatum
 
     seq = torch.randint(0, vocab, (n + 1,), generator=gen)
     inputs: dict[str, torch.Tensor] = {}
@@ -127,7 +127,7 @@ def random_datum(loss_fn: str, n: int, gen: torch.Generator, vocab: int, k: int 
         inputs["advantages"] = torch.randn(n, generator=gen)
         if loss_fn == "gspo":
             inputs["sequence_ratio_mask"] = (torch.rand(n, generator=gen) > 0.3).float()
-    return Datum(seq[:-1], inputs)
+    return EngineDatum(seq[:-1], inputs)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

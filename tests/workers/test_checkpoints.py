@@ -9,11 +9,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from tests.workers.peft_reference import random_datum
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
-from workers.trainer.checkpoints import CheckpointError, read_snapshot_metadata
+from workers.trainer.checkpoint_files import CheckpointError, read_snapshot_metadata
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def trained(tiny_model_path):
 def full_logprobs(engine: TrainerEngine, adapter_id: str, tokens: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the whole vocabulary at every position, via (N, V) targets."""
     every_token = torch.arange(engine.vocab_size).expand(len(tokens), -1)
-    datum = Datum(tokens, {"target_tokens": every_token, "weights": torch.zeros(every_token.shape)})
+    datum = EngineDatum(tokens, {"target_tokens": every_token, "weights": torch.zeros(every_token.shape)})
     return engine.forward([ForwardBackwardInput(adapter_id, [datum])])[0].loss_fn_outputs[0]["logprobs"]
 
 

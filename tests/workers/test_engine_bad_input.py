@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
+from contract.configs import LoraConfig
+from contract.errors import InvalidInputError
+from loraplex.types import AdamParams
 from tests.workers.peft_reference import random_datum
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import InvalidInputError
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 VOCAB = 512
 
@@ -30,7 +31,7 @@ def good(seed=0, n=6, loss_fn="cross_entropy"):
 
 def with_input(key, value, loss_fn="cross_entropy"):
     d = good(loss_fn=loss_fn)
-    return Datum(d.tokens, {**d.loss_fn_inputs, key: value})
+    return EngineDatum(d.tokens, {**d.loss_fn_inputs, key: value})
 
 
 BAD_REQUESTS = {
@@ -43,11 +44,11 @@ BAD_REQUESTS = {
         "data[0].loss_fn_inputs['target_tokens']",
     ),
     "token id beyond vocab": (
-        ForwardBackwardInput("victim", [good(), Datum([1, 2, VOCAB], good(n=3).loss_fn_inputs)]),
+        ForwardBackwardInput("victim", [good(), EngineDatum([1, 2, VOCAB], good(n=3).loss_fn_inputs)]),
         "data[1].model_input",
     ),
     "negative token id": (
-        ForwardBackwardInput("victim", [Datum([1, -2, 3], good(n=3).loss_fn_inputs)]),
+        ForwardBackwardInput("victim", [EngineDatum([1, -2, 3], good(n=3).loss_fn_inputs)]),
         "data[0].model_input",
     ),
     "target id beyond vocab": (
@@ -64,7 +65,7 @@ BAD_REQUESTS = {
     ),
     "unknown loss": (ForwardBackwardInput("victim", [good()], "mse"), "loss_fn"),
     "missing RL input": (
-        ForwardBackwardInput("victim", [Datum([1, 2], {"target_tokens": [2, 3]})], "importance_sampling"),
+        ForwardBackwardInput("victim", [EngineDatum([1, 2], {"target_tokens": [2, 3]})], "importance_sampling"),
         "data[0].loss_fn_inputs['logprobs']",
     ),
     "unknown input key": (
@@ -79,8 +80,8 @@ BAD_REQUESTS = {
         ForwardBackwardInput("victim", [good(loss_fn="dro")], "dro", {"beta": math.nan}),
         "loss_fn_config['beta']",
     ),
-    "empty model input": (ForwardBackwardInput("victim", [Datum([], {"target_tokens": []})]), "data[0].model_input"),
-    "float token ids": (ForwardBackwardInput("victim", [Datum([1.5, 2.0], {"target_tokens": [1, 2]})]), "data[0].model_input"),
+    "empty model input": (ForwardBackwardInput("victim", [EngineDatum([], {"target_tokens": []})]), "data[0].model_input"),
+    "float token ids": (ForwardBackwardInput("victim", [EngineDatum([1.5, 2.0], {"target_tokens": [1, 2]})]), "data[0].model_input"),
     "no data": (ForwardBackwardInput("victim", []), "data"),
     "unknown adapter": (ForwardBackwardInput("nobody", [good()]), "adapter_id"),
 }

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from tests.workers.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
 from workers.models.registry import resolve_model
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 @pytest.fixture
@@ -114,7 +115,7 @@ def test_one_optim_step_call_equals_each_adapter_stepped_alone(engine, tiny_mode
 def test_weights_times_two_doubles_the_loss(engine):
     data = datums("cross_entropy", 11)
     once = engine.forward([ForwardBackwardInput("a", data)])[0].metrics["loss:sum"]
-    doubled = [Datum(d.tokens, {**d.loss_fn_inputs, "weights": 2 * d.loss_fn_inputs["weights"]}) for d in data]
+    doubled = [EngineDatum(d.tokens, {**d.loss_fn_inputs, "weights": 2 * d.loss_fn_inputs["weights"]}) for d in data]
     twice = engine.forward([ForwardBackwardInput("a", doubled)])[0].metrics["loss:sum"]
     assert twice == pytest.approx(2 * once, rel=1e-6)
 
@@ -132,7 +133,7 @@ def test_duplicated_datum_doubles_loss_and_gradient(engine):
 
 def test_negative_weights_stay_finite(engine):
     data = datums("cross_entropy", 13)
-    negative = [Datum(d.tokens, {**d.loss_fn_inputs, "weights": -d.loss_fn_inputs["weights"] - 1}) for d in data]
+    negative = [EngineDatum(d.tokens, {**d.loss_fn_inputs, "weights": -d.loss_fn_inputs["weights"] - 1}) for d in data]
     out = engine.forward_backward([ForwardBackwardInput("a", negative)])[0]
     assert torch.isfinite(torch.tensor(out.metrics["loss:sum"])) and out.metrics["loss:sum"] < 0  # -logp * w, w < 0
     assert all(torch.isfinite(p.grad).all() for p in engine.adapter("a").parameters())

@@ -13,10 +13,11 @@ from tests.workers.peft_reference import (
     rel_err,
     target_logprobs,
 )
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import ForwardBackwardInput
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.losses import LOSSES
+from workers.trainer.inputs import ForwardBackwardInput
+from workers.trainer.loss_specs import LOSS_SPECS
 from workers.trainer.stacked_adapters import StackedAdapters
 
 TOL = 1e-5
@@ -104,7 +105,7 @@ def check_against_peft(engine: TrainerEngine, requests, model_path) -> None:
 
 
 @pytest.mark.parametrize("adapter_set", sorted(ADAPTER_SETS))
-@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
+@pytest.mark.parametrize("loss_fn", sorted(LOSS_SPECS))
 def test_batched_matches_single_adapter_peft(loss_fn, adapter_set, tiny_model_path, monkeypatch):
     stacked_passes = spy_on_stacked_passes(monkeypatch)
     adapters = ADAPTER_SETS[adapter_set]

@@ -3,13 +3,15 @@
 Without a GPU the kernels run under the Triton interpreter (see tests/conftest.py).
 """
 
+import pytest
 import torch
 
+from contract.configs import LoraConfig
 from tests.workers.peft_reference import random_datum, rel_err
-from workers.trainer.adapters import LoraConfig
-from workers.trainer.batch import ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import ForwardBackwardInput
 
+pytestmark = pytest.mark.gpu
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.trainer.adapters import Adapter, LoraConfig
+from contract.configs import LoraConfig
+from workers.trainer.adapters import Adapter
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
 
 

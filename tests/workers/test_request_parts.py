@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.configs import LoraConfig
+from contract.errors import InvalidInputError
+from loraplex.types import AdamParams
 from tests.workers.peft_reference import random_datum
 from tests.workers.test_shared_prefix import VOCAB, add_adapter, rl_group
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import ForwardBackwardInput, prepare_request, split_into_passes
+from workers.trainer.batch import prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import InvalidInputError
+from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.parts import SplitRun, merge_metrics
 
 

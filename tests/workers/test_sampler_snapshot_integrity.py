@@ -10,14 +10,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from contract.configs import LoraConfig
+from contract.errors import EngineError
+from loraplex.types import AdamParams
 from tests.workers.test_sampler_vllm import job, run, start_engine
 from tests.workers.test_snapshot_integrity import WEIGHTS, rewrite_tensor
 from workers.compute_thread import ComputeThread
 from workers.sampler.jobs import SampleResult
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import EngineError
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+
+pytestmark = pytest.mark.vllm  # a vLLM sampler engine per module
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def trainer(tiny_model_path) -> TrainerEngine:
     trainer = TrainerEngine(tiny_model_path, max_rank=16)
     trainer.create_adapter("t", LoraConfig(rank=8, seed=1))
     tokens = list(range(10, 40))
-    datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    datum = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
     for _ in range(6):
         trainer.forward_backward([ForwardBackwardInput("t", [datum])])
         trainer.optim_step([("t", AdamParams(learning_rate=2e-2))])

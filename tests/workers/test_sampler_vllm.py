@@ -7,7 +7,6 @@ the output), saved as PEFT snapshot folders, and sampled by one multi-LoRA vLLM 
 from __future__ import annotations
 
 import multiprocessing
-import os
 import shutil
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -19,16 +18,18 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from contract.configs import LoraConfig
+from contract.errors import EngineError
+from loraplex.types import AdamParams
 from workers.compute_thread import ComputeThread
 from workers.sampler import dense_lora
 from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
-from workers.trainer.checkpoints import write_snapshot_manifest
+from workers.trainer.checkpoint_files import write_snapshot_manifest
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import EngineError
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
+pytestmark = pytest.mark.vllm
 PROMPT = (5, 6, 7, 8, 9)
 GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -43,17 +44,17 @@ def snapshots(tiny_model_path, tmp_path_factory):
     for name, cfg in configs.items():
         trainer.create_adapter(name, cfg)
         tokens = data[name]
-        datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        datum = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
         for _ in range(6):
             trainer.forward_backward([ForwardBackwardInput(name, [datum], "cross_entropy")])
             trainer.optim_step([(name, AdamParams(learning_rate=2e-2))])
     return {name: str(trainer.save_sampler_weights(name, folder / name)) for name in configs}
 
 
-def start_engine(model_path, compute: ComputeThread | None = None) -> SamplerEngine:
+def start_engine(model_path, compute: ComputeThread | None = None, lora_ops: str = "segmented") -> SamplerEngine:
     """Two adapter slots and two loaded adapters at most: a third snapshot evicts one (LRU)."""
     config = SamplerConfig(model_path, max_model_len=512, max_lora_rank=16, max_loras=2, max_cpu_loras=2,
-                           kv_cache_gib=0.25)
+                           kv_cache_gib=0.25, lora_ops=lora_ops)
     engine = SamplerEngine(config, compute).start()
     engine.wait_ready(timeout=300)
     return engine
@@ -105,6 +106,7 @@ def hf_greedy(model, n: int) -> list[int]:
     return out[0, len(PROMPT):].tolist()
 
 
+@pytest.mark.gpu  # also vLLM's GPU multi-LoRA sampling against peft, where there is a GPU
 def test_greedy_tokens_equal_peft_and_a_mixed_batch_equals_each_request_alone(engine, snapshots, peft_models):
     base, adapters = peft_models
     expected = {"base": hf_greedy(base, 12)} | {name: hf_greedy(m, 12) for name, m in adapters.items()}
@@ -159,8 +161,7 @@ def test_prompt_logprobs_of_mixed_batches_equal_peft(engine, snapshots, peft_mod
 def stock_ops_tokens(model_path, jobs: list[SampleJob]) -> dict[str, list[int]]:
     """Greedy tokens from an engine with vLLM's own CPU LoRA ops (run in a child process: vLLM
     allows one engine per process at a time)."""
-    os.environ["LORAPLEX_VLLM_LORA_OPS"] = "vllm"
-    engine = start_engine(model_path)
+    engine = start_engine(model_path, lora_ops="vllm")
     try:
         return {request_id: r.sequences[0].tokens for request_id, r in run(engine, jobs).items()}
     finally:
@@ -316,3 +317,71 @@ def test_seeded_groups_with_long_prompts(engine, snapshots):
     for i in range(4):
         assert [s.tokens for s in first[f"a-{i}"].sequences] == [s.tokens for s in second[f"b-{i}"].sequences]
         assert len(first[f"a-{i}"].sequences) == 8
+
+
+# --- the vLLM internals workers/sampler/vllm_lora_ops.py relies on (its docstring lists them) ----------
+
+def test_the_lora_ops_were_checked_against_this_vllm():
+    import vllm
+
+    from workers.sampler.vllm_lora_ops import VERIFIED_WITH_VLLM
+
+    assert vllm.__version__.split("+")[0] == VERIFIED_WITH_VLLM, (
+        f"vLLM {vllm.__version__} is not the release workers/sampler/vllm_lora_ops.py was checked against "
+        f"({VERIFIED_WITH_VLLM}): run this module's coupling tests, recheck the couplings its docstring lists, "
+        "then update VERIFIED_WITH_VLLM")
+
+
+def test_a_layer_passes_the_same_stacked_weights_on_every_step(engine, snapshots, monkeypatch):
+    """The per-layer weight caches are found by the stacked tensors a layer passes."""
+    from workers.sampler.vllm_lora_ops import SegmentedPunicaWrapper
+
+    passed: list[set[int]] = [set()]
+    original = SegmentedPunicaWrapper._grouped_weights
+
+    def recording(self, lora_a_stacked, lora_b_stacked, slots):
+        passed[-1].add(id(lora_a_stacked[0]))
+        return original(self, lora_a_stacked, lora_b_stacked, slots)
+
+    monkeypatch.setattr(SegmentedPunicaWrapper, "_grouped_weights", recording)
+    monkeypatch.setattr("workers.sampler.dense_lora.DENSE_MAX_ROWS", 0)  # every step through the cached weights
+    for round_ in range(2):
+        run(engine, [job(f"same-{round_}-{name}", path) for name, path in snapshots.items()])
+        passed.append(set())
+    assert passed[0], "the segmented path did not run"
+    assert passed[0] == passed[1], (
+        "vLLM passed other stacked LoRA weight tensors for the same layers on a later step: the per-layer "
+        "caches of workers/sampler/vllm_lora_ops.py (_PerLayer) would rebuild every step; recheck them")
+
+
+def test_sampling_and_prompt_logprobs_pass_the_logits_rows_the_lora_ops_expect(engine, snapshots, monkeypatch):
+    """Sampling's logits input is a tensor of its own, one row per sequence; prompt logprobs pass one
+    request's rows as a slice of the step's hidden states, found by its storage offset."""
+    from workers.sampler.vllm_lora_ops import SegmentedPunicaWrapper
+
+    calls: list[tuple[bool, list[int]]] = []  # (took the sampling branch, each row's slot)
+    original = SegmentedPunicaWrapper._logits_groups
+
+    def recording(self, x):
+        groups, slots = original(self, x)
+        calls.append((self._sampled_rows(x), slots.tolist()))
+        return groups, slots
+
+    monkeypatch.setattr(SegmentedPunicaWrapper, "_logits_groups", recording)
+    run(engine, [job(f"rows-{name}", path) for name, path in snapshots.items()])
+    assert calls and all(sampling for sampling, _ in calls), (
+        "vLLM's sampling no longer passes the sampled positions' hidden states as a tensor of their own: "
+        "SegmentedPunicaWrapper._logits_groups would read rows' adapters from storage offsets; recheck it")
+
+    calls.clear()
+    alice = snapshots["alice"]
+    run(engine, [job("rows-lp-alice", alice, SamplingOptions(max_tokens=1), prompt_logprobs=True),
+                 job("rows-lp-base", None, SamplingOptions(max_tokens=1), prompt_logprobs=True)])
+    prompt_calls = [slots for sampling, slots in calls if not sampling]
+    assert prompt_calls, "no prompt-logprob logits call was recognized as a slice of the step's hidden states"
+    for slots in prompt_calls:
+        assert len(set(slots)) == 1, (
+            f"a prompt-logprob logits call mixed rows of several requests ({slots}): the storage-offset mapping "
+            "in SegmentedPunicaWrapper._logits_groups no longer matches vLLM's layout; recheck it")
+    assert {slots[0] for slots in prompt_calls} >= {-1}, "the base request's prompt rows were given an adapter"
+    assert any(slots[0] >= 0 for slots in prompt_calls), "the adapter request's prompt rows lost their adapter"

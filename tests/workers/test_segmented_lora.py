@@ -173,7 +173,7 @@ def test_weight_gradients_added_into_destinations_equal_autograds(layout, backen
 def test_group_rejects_layers_with_different_segments():
     layers = [torch.nn.Linear(IN, 8), torch.nn.Linear(IN, 8)]
     a, b = torch.zeros(2, IN), torch.zeros(8, 2)
-    with pytest.raises(ValueError, match="same, non-empty segments"):
+    with pytest.raises(ValueError, match="same segments"):
         apply_lora_group(torch.zeros(6, IN), layers, [[Segment(0, 6, a, b, 1.0)], [Segment(0, 5, a, b, 1.0)]])
 
 

@@ -13,6 +13,7 @@ import torch
 from workers.sgmv import reference as ref
 from workers.sgmv import triton_kernels as tk  # runs under the interpreter without a GPU: see tests/conftest.py
 
+pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
 

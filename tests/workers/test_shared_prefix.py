@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.configs import LoraConfig
 from service.settings import Settings
 from tests.workers.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
-from workers.trainer.adapters import LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, pack, prepare_request
+from workers.trainer.batch import pack, prepare_request
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS, group_mask, share_plan
 
 VOCAB = 512
@@ -42,7 +43,7 @@ def test_group_mask_lets_a_member_see_only_the_shared_rows_and_its_own():
     assert torch.equal(mask, expected)
 
 
-def rl_group(gen: torch.Generator, prompt_len: int, completion_lens, loss_fn: str) -> list[Datum]:
+def rl_group(gen: torch.Generator, prompt_len: int, completion_lens, loss_fn: str) -> list[EngineDatum]:
     """One prompt and several completions of it, as an RL step sends them."""
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
     data = []
@@ -50,7 +51,7 @@ def rl_group(gen: torch.Generator, prompt_len: int, completion_lens, loss_fn: st
         sequence = torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=gen)])
         datum = random_datum(loss_fn, sequence.numel() - 1, gen, VOCAB)
         datum.loss_fn_inputs["target_tokens"] = sequence[1:]
-        data.append(Datum(sequence[:-1], datum.loss_fn_inputs))
+        data.append(EngineDatum(sequence[:-1], datum.loss_fn_inputs))
     return data
 
 
@@ -82,10 +83,10 @@ def test_shared_rows_give_each_datum_its_result_alone(loss_fn, tiny_model_path):
     # two groups, an unrelated datum between them, a duplicate and a completion of one token
     data = (rl_group(gen, 20, (5, 9, 1, 5), loss_fn) + [random_datum(loss_fn, 12, gen, VOCAB)]
             + rl_group(gen, 30, (3, 7, 4), loss_fn))
-    data.insert(4, Datum(data[0].tokens.clone(), {k: v.clone() for k, v in data[0].loss_fn_inputs.items()}))
+    data.insert(4, EngineDatum(data[0].tokens.clone(), {k: v.clone() for k, v in data[0].loss_fn_inputs.items()}))
     if loss_fn == "cross_entropy":  # a member with several targets per position
         n = data[1].tokens.numel()
-        data.insert(2, Datum(data[1].tokens, {"target_tokens": torch.randint(0, VOCAB, (n, 3), generator=gen),
+        data.insert(2, EngineDatum(data[1].tokens, {"target_tokens": torch.randint(0, VOCAB, (n, 3), generator=gen),
                                               "weights": torch.rand(n, 3, generator=gen)}))
     sharing, plain = engines(tiny_model_path)
     request = ForwardBackwardInput("a", data, loss_fn)

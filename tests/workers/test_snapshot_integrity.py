@@ -13,12 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from contract.configs import LoraConfig
+from contract.errors import InvalidInputError
+from loraplex.types import AdamParams
 from workers.sampler.snapshot_check import SnapshotCorruptError, check_snapshot
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
-from workers.trainer.checkpoints import CheckpointError, export_peft, snapshot_integrity
+from workers.trainer.checkpoint_files import CheckpointError, snapshot_integrity
+from workers.trainer.checkpoints import export_peft
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import InvalidInputError
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -29,7 +31,7 @@ def engine(tiny_model_path) -> TrainerEngine:
     engine = TrainerEngine(tiny_model_path, max_rank=16)
     engine.create_adapter("t", LoraConfig(rank=4, seed=1))
     tokens = list(range(10, 40))
-    datum = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    datum = EngineDatum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
     for _ in range(2):
         engine.forward_backward([ForwardBackwardInput("t", [datum])])
         engine.optim_step([("t", AdamParams(learning_rate=2e-2))])

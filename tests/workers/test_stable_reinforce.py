@@ -11,16 +11,19 @@ import numpy as np
 import pytest
 import torch
 
+from contract.configs import LoraConfig
+from contract.errors import InvalidInputError
+from loraplex.types import AdamParams
 from loraplex.wire.codec import DatumWire, ProvenanceSpanWire
 from scheduler.stability import Recorded, recorded_inputs
 from tests.workers.peft_reference import stable_reinforce_reference
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, prepare_request
+from workers.trainer.batch import prepare_request
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import InvalidInputError
-from workers.trainer.losses import LOSSES, RECORDED_LOGPROBS, RECORDED_SEQUENCE, stable_reinforce
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from workers.trainer.losses import stable_reinforce
 
-CONFIG = LOSSES["stable_reinforce"].config_defaults
+CONFIG = LOSS_SPECS["stable_reinforce"].config_defaults
 
 
 def test_loss_and_gradient_match_the_per_token_reference():
@@ -58,7 +61,7 @@ def test_loss_and_gradient_match_the_per_token_reference():
 
 
 def request(loss_inputs: dict, config=None) -> ForwardBackwardInput:
-    return ForwardBackwardInput("a", [Datum(torch.arange(1, 5), loss_inputs)], "stable_reinforce", config)
+    return ForwardBackwardInput("a", [EngineDatum(torch.arange(1, 5), loss_inputs)], "stable_reinforce", config)
 
 
 def recorded_rows(advantages) -> dict:
@@ -161,7 +164,7 @@ def sample(engine: TrainerEngine, prompt: list[int], group: int, length: int, ge
     sequences = [list(prompt) for _ in range(group)]
     logprobs: list[list[float]] = [[] for _ in range(group)]
     for _ in range(length):
-        data = [Datum(torch.tensor(s), {"target_tokens": torch.arange(vocab).repeat(len(s), 1),
+        data = [EngineDatum(torch.tensor(s), {"target_tokens": torch.arange(vocab).repeat(len(s), 1),
                                         "weights": torch.zeros(len(s), vocab)}) for s in sequences]
         outputs = engine.forward([ForwardBackwardInput("rl", data)])[0].loss_fn_outputs
         for s, lps, out in zip(sequences, logprobs, outputs):
@@ -197,7 +200,7 @@ def test_a_small_rl_run_on_the_tiny_model_raises_the_reward(tiny_model_path):
                 (span("prompt", sid, len(prompt) - 1, offset=1), span("sampled", sid, length)),
             )
             inputs = {**wire.loss_fn_inputs, **recorded_inputs(g, wire, record)}
-            data.append(Datum(torch.from_numpy(wire.tokens), {k: torch.from_numpy(v) for k, v in inputs.items()}))
+            data.append(EngineDatum(torch.from_numpy(wire.tokens), {k: torch.from_numpy(v) for k, v in inputs.items()}))
         for half in (data[: group // 2], data[group // 2:]):
             result = engine.forward_backward([ForwardBackwardInput("rl", half, "stable_reinforce")])[0]
             assert np.isfinite(result.metrics["loss:sum"])

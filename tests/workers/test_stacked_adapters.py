@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from contract.configs import LoraConfig
 from tests.workers.peft_reference import random_datum, rel_err
 from tests.workers.test_engine_parity import spy_on_stacked_passes
-from workers.trainer.adapters import LoraConfig
-from workers.trainer.batch import ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.stacked_adapters import StackedAdapters
 
 
@@ -85,21 +85,26 @@ def test_smollm2_stacks_all_but_the_vocabulary_wide_head(monkeypatch):
     assert stacked_passes[0]
 
 
-def test_only_the_modules_whose_backward_ran_are_added(tiny_model_path):
+def test_the_stacked_backward_adds_into_each_adapters_own_gradients(tiny_model_path):
+    """Each stacked layer names, per adapter, its own `.grad` views: the backward adds there (what
+    the segment loop does), onto what an earlier forward_backward left."""
     engine = one_layout_engine(tiny_model_path, 2)
     adapters = [engine.adapter("t0"), engine.adapter("t1")]
     bank = StackedAdapters.for_pass([(adapters[0], 0, 3), (adapters[1], 3, 6)], 6, True, engine.device)
-    bank.grads.fill_(float("nan"))  # what a module whose backward never ran leaves there: anything
-    ran = bank.paths[1]
-    for layer in bank.layers([ran]):
-        layer.grad_a.fill_(1.0)
-        layer.grad_b.fill_(2.0)
-    bank.backward_done([ran])
-    bank.add_gradients()
+    for path in bank.paths:
+        (layer,) = bank.layers([path])
+        for adapter, grad_a, grad_b in zip(adapters, layer.grad_a, layer.grad_b):
+            assert grad_a is adapter.weights[path].lora_a.grad and grad_b is adapter.weights[path].lora_b.grad
+    batch = requests(engine, [7, 5], seed=6)
     for adapter in adapters:
-        for path, w in adapter.weights.items():
-            expected = (1.0, 2.0) if path == ran else (0.0, 0.0)
-            assert torch.all(w.lora_a.grad == expected[0]) and torch.all(w.lora_b.grad == expected[1]), path
+        adapter.flat_grads.fill_(0.5)  # gradients of an earlier call
+    engine.forward_backward(batch)
+    with_earlier = [a.flat_grads.clone() for a in adapters]
+    for adapter in adapters:
+        adapter.zero_grad()
+    engine.forward_backward(batch)
+    for adapter, earlier in zip(adapters, with_earlier):
+        assert torch.equal(earlier, (0.5 + adapter.flat_grads))  # 0.5 + P is what G + P adds
 
 
 def test_adapters_of_different_layouts_are_not_stacked(tiny_model_path):
@@ -117,12 +122,9 @@ def test_adapters_of_different_layouts_are_not_stacked(tiny_model_path):
     assert StackedAdapters.for_pass([(a, 0, 4), (d, 4, 8)], 8, True, engine.device) is not None
 
 
-def test_a_module_whose_backward_runs_twice_in_a_pass_is_an_error(tiny_model_path):
-    """The stacked backward writes each module's gradients once per pass; a second write would
-    lose the first, so it fails loudly instead (no supported model calls a layer twice)."""
-    engine = one_layout_engine(tiny_model_path, 2)
-    bank = StackedAdapters.for_pass([(engine.adapter("t0"), 0, 3), (engine.adapter("t1"), 3, 6)], 6, True,
-                                    engine.device)
-    bank.backward_done(bank.paths[:2])
-    with pytest.raises(RuntimeError, match="ran twice"):
-        bank.backward_done(bank.paths[1:3])
+def test_rank_one_adapters_are_not_stacked(tiny_model_path):
+    """A rank-1 adapter's products are computed 2 wide (workers/sgmv/row_gemm.py: MKL's one-column
+    kernels follow the row count), which its flat weights' views cannot be."""
+    engine = TrainerEngine(tiny_model_path)
+    a, b = engine.create_adapter("a", LoraConfig(rank=1)), engine.create_adapter("b", LoraConfig(rank=1, seed=1))
+    assert StackedAdapters.for_pass([(a, 0, 4), (b, 4, 8)], 8, True, engine.device) is None

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.executor import InProcessExecutor
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from tests.scheduler.test_eviction import run
 from workers import store
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
-from workers.trainer.checkpoints import read_manifest
+from workers.trainer.checkpoint_files import read_manifest
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.executor import InProcessExecutor
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 @pytest.fixture(params=["local", "webdav"])
@@ -46,10 +47,23 @@ def test_a_folder_is_published_whole_and_replaced_whole(location):
     store.delete(location)  # deleting what is gone is fine
 
 
+def test_a_remote_folder_is_downloaded_into_the_cache_the_process_chose(webdav_store, tmp_path):
+    """Each process's entry point sets the cache from Settings.store_cache when it starts."""
+    location = store.join(webdav_store(), "cached")
+    with store.writing(location) as folder:
+        (folder / "data.bin").write_bytes(b"x")
+    store.use_cache_dir(tmp_path / "cache")
+    try:
+        assert store.local_folder(location).is_relative_to(tmp_path / "cache")
+    finally:
+        store.use_cache_dir("")  # empty: the default
+    assert store.local_folder(location).is_relative_to(store.DEFAULT_CACHE_DIR)
+
+
 def test_training_state_round_trip_through_the_store(location, tiny_model_path):
     engine = TrainerEngine(tiny_model_path, max_rank=16)
     engine.create_adapter("a", LoraConfig(rank=4, seed=3))
-    datum = Datum(list(range(10, 30)), {"target_tokens": list(range(11, 31)), "weights": [1.0] * 20})
+    datum = EngineDatum(list(range(10, 30)), {"target_tokens": list(range(11, 31)), "weights": [1.0] * 20})
     engine.forward_backward([ForwardBackwardInput("a", [datum])])
     engine.optim_step([("a", AdamParams(learning_rate=1e-2))])
     engine.save_state("a", location, extra={"seq_id": 2})

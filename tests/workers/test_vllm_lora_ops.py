@@ -11,6 +11,7 @@ from vllm.lora.layers.utils import LoRAMapping
 from workers.sampler import dense_lora
 from workers.sampler.vllm_lora_ops import SegmentedPunicaWrapper
 
+pytestmark = pytest.mark.vllm  # no engine, but vLLM's LoRA interface (its import alone takes ~3 s)
 MAX_LORAS, RANK, IN = 4, 16, 64
 SLICES = (64, 32, 32)  # a q/k/v layer
 SLOT_IDS = [11, 12, None, 14]  # adapter id per slot; slot 2 is empty

@@ -21,7 +21,8 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = Path(os.environ.get("LORAPLEX_MODEL_CACHE", Path.home() / ".cache" / "loraplex" / "models"))
+# Settings.model_cache (LORAPLEX_MODEL_CACHE) defaults to it; "~" is expanded where the folder is used
+DEFAULT_CACHE_DIR = Path("~/.cache/loraplex/models")
 
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub id of the model the GGUF quantises
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,12 +110,13 @@ def names_of(name: str) -> list[str]:
     return [spec.name, *spec.aliases] if spec else [name]
 
 
-def resolve_model(name: str, cache_dir: Path | str | None = None) -> Path:
-    """Return the local HF folder of a registered model (building it on first use) or of a local path."""
+def resolve_model(name: str, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
+    """Return the local HF folder of a registered model (building it under `cache_dir` on first
+    use) or of a local path."""
     if Path(name).is_dir():
         return Path(name)
     spec = REGISTRY[canonical_name(name)]
-    cache = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    cache = Path(cache_dir).expanduser()
     dest = cache / spec.folder
     if (dest / "config.json").exists():
         return dest
@@ -143,7 +145,7 @@ class ModelInfo:
     max_context: int
 
 
-def model_info(name: str, cache_dir: Path | str | None = None) -> ModelInfo:
+def model_info(name: str, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> ModelInfo:
     """The served model's facts, under its hub id whichever alias named it: every process of a
     deployment (API, scheduler, workers) then registers and looks up the same name. A registered
     model's tokenizer is also placed in this machine's Hugging Face cache (see publish_tokenizer)."""

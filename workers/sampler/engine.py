@@ -25,12 +25,12 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from contract.errors import EngineError, InvalidInputError
 from loraplex.wire.codec import SampledSequenceWire
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
 from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
 from workers.sampler.snapshot_check import check_snapshot
-from workers.trainer.errors import EngineError, InvalidInputError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class SamplerConfig:
     engine_process: bool = False  # vLLM's engine core in a child process (slower start, own GIL)
     prefix_caching: bool = True
     seed: int = 0
+    lora_ops: str = "segmented"  # on CPU: "vllm", vLLM's stock LoRA ops (workers/sampler/vllm_platform.py)
 
     @classmethod
     def from_settings(cls, settings, info) -> "SamplerConfig":
@@ -69,7 +70,7 @@ class SamplerConfig:
             model_path=info.path, max_model_len=info.max_context, max_lora_rank=settings.max_lora_rank,
             max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras,
             dtype=settings.sampler_dtype, kv_cache_gib=settings.sampler_kv_cache_gib,
-            engine_process=settings.sampler_engine_process,
+            engine_process=settings.sampler_engine_process, lora_ops=settings.vllm_lora_ops,
         )
 
 
@@ -176,9 +177,12 @@ class SamplerEngine:
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        from workers.sampler.vllm_platform import LORA_OPS_VARIABLE
+
         c = self.config
         rank = next(r for r in VLLM_LORA_RANKS if r >= c.max_lora_rank)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if c.engine_process else "0"
+        os.environ[LORA_OPS_VARIABLE] = c.lora_ops  # for our platform plugin (vllm_platform.py)
         args = EngineArgs(
             model=str(c.model_path), dtype=c.dtype, seed=c.seed, max_model_len=c.max_model_len,
             kv_cache_memory_bytes=int(c.kv_cache_gib * 2**30), enable_lora=True, max_loras=c.max_loras, max_lora_rank=rank, max_cpu_loras=c.max_cpu_loras,

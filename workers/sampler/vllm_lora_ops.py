@@ -12,10 +12,18 @@ get exactly the base model's output. On CPUs with AMX or AVX512-BF16, in bf16, d
 
 Weight layouts (vLLM): lora_a_stacked[i] [max_loras, 1, rank, in], lora_b_stacked[i]
 [max_loras, 1, out, rank], both zero-padded to max_lora_rank.
+
+What this relies on in vLLM beyond the wrapper's interface (each guarded by a test in
+tests/workers/test_sampler_vllm.py that names it when it breaks, and by `VERIFIED_WITH_VLLM`):
+- a layer passes the same stacked weight tensors on every step, and a slot's weights change only
+  when `lora_index_to_id` changes (the per-layer weight caches);
+- sampling's logits input is a tensor of its own with one row per `sampler_indices` entry, while
+  prompt logprobs pass a slice of the step's hidden states (`_logits_groups`).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -25,6 +33,32 @@ from workers.sampler import dense_lora
 from workers.sgmv.segment_ops import (
     PaddedGroups, SlotRows, expand_, group_rows_by_slot, padded_groups, padded_lora_, shrink, take,
 )
+
+
+# The vLLM release the couplings above were checked against; tests fail on any other until rechecked.
+VERIFIED_WITH_VLLM = "0.32.0"
+
+
+class _PerLayer:
+    """Values cached per LoRA layer, found by the layer's stacked weight tensor itself: a tensor
+    freed and another allocated at its address (or a view of another layer) is never taken for it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, layer: torch.Tensor) -> Any:
+        entry = self._entries.get(id(layer))
+        return entry[1] if entry is not None and entry[0]() is layer else None
+
+    def put(self, layer: torch.Tensor, value: Any) -> Any:
+        self._entries[id(layer)] = (weakref.ref(layer, lambda _, key=id(layer): self._entries.pop(key, None)), value)
+        return value
+
+    def values(self) -> list[Any]:
+        return [value for _, value in self._entries.values()]
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def _assign(out: torch.Tensor, rows, value: torch.Tensor) -> None:
@@ -60,10 +94,10 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         self._sampler_padded: PaddedGroups | None = None
         self._slot_ids: tuple = ()
         # per layer: the active adapters' weights transposed for bmm, rebuilt when slots change
-        self._weights: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor], torch.Tensor | None]] = {}
+        self._weights = _PerLayer()  # (key, a_t, b_ts, block) per layer
         # decode steps where dense_lora is available: per layer the adapters prepacked, and per
         # step the shrink columns each row must not see
-        self._dense: dict[int, tuple[tuple, tuple[int, ...], dense_lora.DenseLoRA | None]] = {}
+        self._dense = _PerLayer()  # (slot ids, active slots, dense_lora.DenseLoRA | None) per layer
         self._keep_bits: dict[tuple, torch.Tensor] = {}
         self._embedding_cache: tuple[tuple | None, frozenset[int]] = (None, frozenset())
 
@@ -83,15 +117,14 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         weights change only when another adapter is put there, so they are cached until the slot
         assignment changes."""
         key = (self._slot_ids, slots)
-        layer = lora_a_stacked[0].data_ptr()
-        cached = self._weights.get(layer)
+        cached = self._weights.get(lora_a_stacked[0])
         if cached is not None and cached[0] == key:
             return cached[1:]
         index = torch.tensor(slots, device=lora_a_stacked[0].device)
         a_t = torch.cat([a[index, 0] for a in lora_a_stacked], dim=1).transpose(1, 2).contiguous()
         b_ts = [b[index, 0].transpose(1, 2).contiguous() for b in lora_b_stacked]
         block = _block_diagonal(b_ts) if len(b_ts) >= 3 else None
-        self._weights[layer] = (key, a_t, b_ts, block)
+        self._weights.put(lora_a_stacked[0], (key, a_t, b_ts, block))
         return a_t, b_ts, block
 
     # --- linear layers -----------------------------------------------------------------------
@@ -141,11 +174,10 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         dtype = lora_a_stacked[0].dtype
         if not dense_lora.available(dtype) or not x2.dtype == y2.dtype == dtype or row_slots.numel() != y2.shape[0]:
             return False
-        layer = lora_a_stacked[0].data_ptr()
-        cached = self._dense.get(layer)
+        cached = self._dense.get(lora_a_stacked[0])
         if cached is None or cached[0] != self._slot_ids or not dense_lora.reusable(cached[1], active):
             built = dense_lora.DenseLoRA.build(lora_a_stacked, lora_b_stacked, active)
-            cached = self._dense[layer] = (self._slot_ids, active, built)
+            cached = self._dense.put(lora_a_stacked[0], (self._slot_ids, active, built))
         _, slots, weights = cached
         if weights is None:
             return False
@@ -205,11 +237,15 @@ class SegmentedPunicaWrapper(PunicaWrapperCPU):
         logprobs with an lm_head adapter. Views are not tracked under inference mode, hence the
         storage test.)
         """
-        owns_storage = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
-        if owns_storage and x.size(0) == self.sampler_indices.numel():
+        if self._sampled_rows(x):
             return self._sampler_padded, self.sampler_indices
         start = x.storage_offset() // x.stride(0)
         slots = self.token_lora_indices[start: start + x.size(0)]
         if slots.numel() != x.size(0):
             raise RuntimeError(f"LoRA logits: {x.size(0)} rows at row {start} lie outside the step's tokens")
         return padded_groups(slots), slots
+
+    def _sampled_rows(self, x: torch.Tensor) -> bool:
+        """x is sampling's input (a tensor of its own, one row per sequence), not a slice of the step."""
+        owns_storage = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+        return owns_storage and x.size(0) == self.sampler_indices.numel()

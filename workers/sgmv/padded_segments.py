@@ -7,8 +7,21 @@ Here the rows are laid out as a [segments, width, features] grid: a plain view w
 are equally long and back to back (the common case of many tenants' equal-sized requests), an
 index gather otherwise: padding cells read a zero row and are never written back, so only the
 rows of a segment get a delta.
-Ranks are padded to the largest one with zeros, which adds nothing either. The functions take
-the layers of a group that reads one input (segmented_lora.apply_lora_group), or one layer.
+
+It gives every row the bits the segment loop gives it (segmented_lora.py), so which of the two a
+pass takes does not show in any result:
+- the same products of the same shapes: one shrink over the layers' concatenated A's, each
+  layer's expand from the scaled v, dV = (G B) * scale, dX += dV A_cat. A bmm item gets the bits
+  of a lone mm of its shape, and a row those of any product of at least `row_gemm.min_rows()`
+  rows, which the grid's width is held to;
+- the segments of one bmm share a rank (a pass of mixed ranks runs one bmm per rank), never
+  zero-padded to another adapter's: MKL computes a product of 8 columns with other kernels than
+  one of 16;
+- a product accumulated into a tensor adds the way addmm does (into the gathered cells, then
+  written back), as the loop's addmm into the rows;
+- the weight gradients come from each request's own rows (grad_pieces.py), not from the grid.
+The functions take the layers of a group that reads one input (segmented_lora.apply_lora_group),
+or one layer.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.sgmv.grad_pieces import GradPieces
 from workers.sgmv.segment_ops import PaddedGroups, padded_ranges
 
 MAX_PADDING = 2.0  # grid cells per segment row beyond which the segment loop is cheaper
@@ -45,91 +59,92 @@ class SegmentGrid:
             return self.padded.gather(rows)
         return rows[self.first: self.first + self.groups * self.width].view(self.groups, self.width, -1)
 
+    def to_rows(self, cells: torch.Tensor) -> torch.Tensor:
+        """[groups, width, f] -> a new [n_rows, f] holding each segment row's cell (other rows: unset)."""
+        flat = cells.reshape(-1, cells.shape[-1])
+        rows = flat.new_empty(self.n_rows, flat.shape[1])
+        if self.is_view:
+            rows[self.first: self.first + flat.shape[0]] = flat
+        else:
+            covered = self._covered(flat.device)
+            rows.index_copy_(0, covered, flat.index_select(0, self.padded.position.to(flat.device)[covered]))
+        return rows
+
     def add_bmm_(self, rows: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        """rows [n_rows, f] += bmm(a, b) [groups, width, f] in place, for the rows in a segment only
-        (accumulated in the bmm itself when the grid is a view of the rows)."""
+        """rows [n_rows, f] += bmm(a, b) [groups, width, f] in place, for the rows in a segment only,
+        added as addmm adds (MKL accumulates into the cells themselves)."""
         if self.is_view:
             self.to_cells(rows).baddbmm_(a, b)
-        else:
-            self.padded.add_scattered_(rows, torch.bmm(a, b))
+            return
+        cells = self.padded.gather_rows(rows).baddbmm_(a, b).view(-1, rows.shape[1])
+        covered = self._covered(rows.device)
+        rows.index_copy_(0, covered, cells.index_select(0, self.padded.position.to(rows.device)[covered]))
+
+    def _covered(self, device) -> torch.Tensor:
+        covered = self.padded.covered
+        return torch.arange(self.n_rows, device=device) if covered is None else covered.to(device)
 
 
 @functools.lru_cache(maxsize=256)
-def segment_grid(bounds: tuple[tuple[int, int], ...], n_rows: int) -> SegmentGrid:
-    """The grid of segments [start, end) over n_rows packed rows (cached: every layer of a pass
-    asks for the same bounds)."""
+def segment_grid(bounds: tuple[tuple[int, int], ...], n_rows: int, min_width: int = 1) -> SegmentGrid:
+    """The grid of segments [start, end) over n_rows packed rows, at least `min_width` cells wide
+    (cached: every layer of a pass asks for the same bounds)."""
     lengths = [end - start for start, end in bounds]
     back_to_back = all(bounds[i][1] == bounds[i + 1][0] for i in range(len(bounds) - 1))
-    if back_to_back and len(set(lengths)) == 1:
+    if back_to_back and len(set(lengths)) == 1 and lengths[0] >= min_width:
         return SegmentGrid(n_rows, len(bounds), lengths[0], bounds[0][0], None)
-    padded = padded_ranges(bounds, n_rows)
+    padded = padded_ranges(bounds, n_rows, min_width)
     return SegmentGrid(n_rows, len(bounds), padded.cells.shape[1], 0, padded)
 
 
-def paying_grid(bounds: tuple[tuple[int, int], ...], n_rows: int) -> SegmentGrid | None:
+def paying_grid(bounds: tuple[tuple[int, int], ...], n_rows: int, min_width: int = 1) -> SegmentGrid | None:
     """The grid of these segments, or None where its padding would cost more than the segment loop."""
-    grid = segment_grid(bounds, n_rows)
+    grid = segment_grid(bounds, n_rows, min_width)
     return grid if grid.padding(sum(end - start for start, end in bounds)) <= MAX_PADDING else None
 
 
-def stack_padded(mats, rank_dim: int) -> torch.Tensor:
-    """Stack matrices whose `rank_dim` differs (each adapter has its own rank), zero-padding it."""
-    max_rank = max(m.shape[rank_dim] for m in mats)
+def stack_padded(mats, rank_dim: int, rank: int | None = None) -> torch.Tensor:
+    """Stack matrices whose `rank_dim` differs (each adapter has its own rank), zero-padding it to
+    the largest (or to `rank`)."""
+    rank = max(m.shape[rank_dim] for m in mats) if rank is None else rank
     padded = []
     for m in mats:
-        pad = max_rank - m.shape[rank_dim]
+        pad = rank - m.shape[rank_dim]
         padded.append(F.pad(m, (0, pad) if rank_dim == 1 else (0, 0, 0, pad)) if pad else m)
     return torch.stack(padded)
 
 
-def forward_(x2, outs, grid: SegmentGrid, scales, lora_as, lora_bs):
+def stacked_forward_(x2, outs, grid: SegmentGrid, scale, a_cat, stacked_bs) -> torch.Tensor:
     """outs[i] += each segment's scale * x A_i^T B_i^T, in place, for every layer i of a group that
-    reads the same input (lora_as[i] / lora_bs[i]: layer i's matrices, one per segment).
-    Returns what the backward needs."""
-    stacked_as = [stack_padded(a, rank_dim=0) for a in lora_as]  # [G, R, in] per layer
-    stacked_bs = [stack_padded(b, rank_dim=1) for b in lora_bs]  # [G, out_i, R] per layer
-    scale = torch.tensor(scales, dtype=x2.dtype).view(-1, 1, 1)
-    return stacked_forward_(x2, outs, grid, scale, stacked_as, stacked_bs)
-
-
-def stacked_forward_(x2, outs, grid: SegmentGrid, scale, stacked_as, stacked_bs):
-    """`forward_` with every layer's matrices already stacked over segments (stacked_as[i]
-    [G, R, in], stacked_bs[i] [G, out_i, R]) and the scales as a [G, 1, 1] tensor."""
-    a_cat = stacked_as[0] if len(stacked_as) == 1 else torch.cat(stacked_as, dim=1)  # [G, layers * R, in]
-    x_cells = grid.to_cells(x2)
-    # one shrink per layer: one bmm over the layers' concatenated A's rounded differently enough
-    # from the loop's matmul to take the batch-invariance test's worst gradient error (tiny model,
-    # amplified through its layers) from 2.8e-6 to 1.45e-5, over its 1e-5 bound
-    vs = [torch.bmm(x_cells, a.transpose(1, 2)) for a in stacked_as]
-    scaled_v = (vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)).mul_(scale)  # [G, W, layers * R]
+    reads the same input. a_cat [G, layers * R, in]: the layers' A's of each segment, layer after
+    layer; stacked_bs[i] [G, out_i, R]; scale [G, 1, 1]. Returns the scaled v in rows layout
+    [n_rows, layers * R] (the weight gradients' tiles read it)."""
+    scaled_v = torch.bmm(grid.to_cells(x2), a_cat.transpose(1, 2)).mul_(scale)  # [G, W, layers * R]
     for out, b, v in zip(outs, stacked_bs, scaled_v.chunk(len(outs), dim=-1)):
         grid.add_bmm_(out, v, b.transpose(1, 2))
-    return [x_cells, a_cat, scale, scaled_v, *stacked_bs]
+    return grid.to_rows(scaled_v)
 
 
-def backward_(gs, dx, grid: SegmentGrid, saved, ranks: list[int]):
-    """Adds the LoRA part of dX into dx (unless None); returns dA and dB per layer and segment,
-    from the output gradients gs[i] [n_rows, out_i]."""
-    stacked_grad_as, stacked_grad_bs = stacked_backward_(gs, dx, grid, saved)
-    grad_as = [[grad_a[s, :r] for s, r in enumerate(ranks)] for grad_a in stacked_grad_as]
-    grad_bs = [[grad_b[s, :, :r] for s, r in enumerate(ranks)] for grad_b in stacked_grad_bs]
-    return grad_as, grad_bs
-
-
-def stacked_backward_(gs, dx, grid: SegmentGrid, saved, grad_as_out=None, grad_bs_out=None):
-    """`backward_` with dA and dB stacked over segments: [G, R, in] and [G, out_i, R] per layer,
-    returned, or written into grad_as_out / grad_bs_out (one tensor of that shape per layer)."""
-    x_cells, a_cat, scale, scaled_v, *stacked_bs = saved
-    g_cells = [grid.to_cells(g) for g in gs]
-    dvs = [torch.bmm(g, b) for g, b in zip(g_cells, stacked_bs)]  # [G, W, R] per layer
+def stacked_backward_(gs, dx, grid: SegmentGrid, scale, a_cat, stacked_bs) -> torch.Tensor:
+    """Adds the LoRA part of dX into dx (unless None), from the output gradients gs[i] [n_rows, out_i];
+    returns dV in rows layout [n_rows, layers * R] (the weight gradients read it)."""
+    dvs = [torch.bmm(grid.to_cells(g), b) for g, b in zip(gs, stacked_bs)]  # [G, W, R] per layer
     dv = (dvs[0] if len(dvs) == 1 else torch.cat(dvs, dim=2)).mul_(scale)
-    if grad_as_out is None:  # one bmm for every layer's dA: [G, layers * R, in]
-        grad_as = torch.bmm(dv.transpose(1, 2), x_cells).chunk(len(gs), dim=1)
-    else:
-        grad_as = [torch.bmm(dv_layer.transpose(1, 2), x_cells, out=out)
-                   for dv_layer, out in zip(dv.chunk(len(gs), dim=2), grad_as_out)]
-    grad_bs = [torch.bmm(g.transpose(1, 2), v, out=out) for g, v, out in  # [G, out, R]
-               zip(g_cells, scaled_v.chunk(len(gs), dim=-1), grad_bs_out or [None] * len(gs))]
     if dx is not None:
         grid.add_bmm_(dx, dv, a_cat)
-    return grad_as, grad_bs
+    return grid.to_rows(dv)
+
+
+def weight_grad_families(pieces: GradPieces, x2, gs, dv_rows, sv_rows, rank: int, width: int,
+                         grad_as, grad_bs) -> list:
+    """The fold of a group's weight gradients (GradPieces.fold_): per layer i, its dA added into
+    grad_as[i][s] and its dB into grad_bs[i][s] (per segment s of `pieces`), each piece's product
+    computed `width` wide and its first `rank` columns added."""
+    products_a = pieces.products(x2, dv_rows)  # [count, in, layers * width] per length
+    families = []
+    for i, g in enumerate(gs):
+        products_b = pieces.products(g, sv_rows[:, i * width: (i + 1) * width])  # [count, out_i, width]
+        cols = slice(i * width, i * width + rank)
+        families.append((grad_as[i], products_a, lambda p, cols=cols: p[:, cols].t()))
+        families.append((grad_bs[i], products_b, lambda p: p[:, :rank]))
+    return families

@@ -91,8 +91,8 @@ class PaddedGroups:
             out.index_add_(0, covered, flat.index_select(0, self.position.to(flat.device)[covered]))
 
 
-def _padded(slots: tuple[int, ...], members: list[torch.Tensor], n_rows: int) -> PaddedGroups:
-    width = max(1, max(m.numel() for m in members))
+def _padded(slots: tuple[int, ...], members: list[torch.Tensor], n_rows: int, min_width: int = 1) -> PaddedGroups:
+    width = max(min_width, max(m.numel() for m in members))
     cells = torch.full((len(members), width), n_rows, dtype=torch.int64)
     position = torch.zeros(n_rows, dtype=torch.int64)
     for g, rows in enumerate(members):
@@ -112,9 +112,10 @@ def padded_groups(slots: torch.Tensor) -> PaddedGroups | None:
     return _padded(tuple(active), [torch.nonzero(slots == s).flatten() for s in active], slots.numel())
 
 
-def padded_ranges(bounds, n_rows: int) -> PaddedGroups:
-    """One group per row range [start, end) (empty ones included), in order: group i is slot i."""
-    return _padded(tuple(range(len(bounds))), [torch.arange(start, end) for start, end in bounds], n_rows)
+def padded_ranges(bounds, n_rows: int, min_width: int = 1) -> PaddedGroups:
+    """One group per row range [start, end) (empty ones included), in order: group i is slot i;
+    at least `min_width` cells wide."""
+    return _padded(tuple(range(len(bounds))), [torch.arange(start, end) for start, end in bounds], n_rows, min_width)
 
 
 def padded_lora_(out: torch.Tensor, x: torch.Tensor, groups: PaddedGroups, a_t: torch.Tensor,

@@ -6,11 +6,23 @@ Semantics are defined by :mod:`workers.sgmv.reference` (same names and signature
 * ``sgmv_expand``      v [T, R] , w [S, N, R] -> [T, N]      (LoRA "B" side, N large)
 * ``sgmv_weight_grad`` left [T, M], right [T, P] -> [S, M, P] (per-segment X^T Y, fp32)
 
+* ``sgmv_weight_grad_pieces`` the same per piece of a segment (a request's rows), each piece's
+                           product added in turn to a start value (the gradient so far): what the
+                           trainer uses
+
 Launch layout: shrink/expand use grid (row blocks of the longest segment, column
 blocks, segment); programs whose row block starts past their segment's end exit
 immediately, which keeps ragged segments cheap without a per-row segment lookup.
 weight_grad uses grid (M blocks, P blocks, segment) and loops over that segment's
 tokens, so an empty segment simply stores zeros.
+
+Batch invariance: every block size is a constant or follows only a layer's own dimensions,
+never the batch (the longest segment, the largest rank of the pass): a row's shrink and expand
+are the same dots whatever else the launch holds, and a rank padded to another adapter's adds
+whole zero blocks of K (exact). Reductions over tokens never follow the batch either:
+``sgmv_weight_grad_pieces`` reduces each piece (workers/sgmv/grad_pieces.py) in chunks of
+GRAD_CHUNK_ROWS rows from its first row, and adds the pieces in order, so an adapter's gradient
+does not depend on who else is in the launch or on where its rows sit.
 
 All products accumulate in float32; fp32 inputs use ``input_precision="ieee"`` so
 results match torch instead of TF32. Weights may have arbitrary strides (callers pass
@@ -31,6 +43,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from workers.sgmv.grad_pieces import GradPieces
 from workers.sgmv.reference import (
     SegmentInfo,
     check_expand_args,
@@ -153,6 +166,57 @@ def _sgmv_weight_grad_kernel(
     tl.store(out_ptrs, acc, mask=m_mask[:, None] & p_mask[None, :])
 
 
+@triton.jit
+def _sgmv_weight_grad_pieces_kernel(
+    left_ptr, right_ptr, out_ptr, piece_starts_ptr, piece_ends_ptr, segment_pieces_ptr, scale_ptr,
+    M, P,
+    stride_lt, stride_lm,
+    stride_rt, stride_rp,
+    stride_os, stride_om, stride_op,
+    HAS_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """out[s, :M, :P] += scale[s] * left[piece].T @ right[piece] for each piece of s, in turn.
+
+    out holds the start value (the gradient so far) and takes the result. A piece's product is
+    reduced on its own, BLOCK_T rows at a time from its first row, then added: the order is the
+    piece's own, whatever else the launch holds."""
+    seg = tl.program_id(2).to(tl.int64)
+    first_piece = tl.load(segment_pieces_ptr + seg)
+    end_piece = tl.load(segment_pieces_ptr + seg + 1)
+
+    ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ps = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = ms < M
+    p_mask = ps < P
+    out_ptrs = out_ptr + seg * stride_os + ms[:, None] * stride_om + ps[None, :] * stride_op
+    out_mask = m_mask[:, None] & p_mask[None, :]
+    acc = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    for piece in range(first_piece, end_piece):
+        p_start = tl.load(piece_starts_ptr + piece)
+        p_end = tl.load(piece_ends_ptr + piece)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t0 in range(p_start, p_end, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            t_mask = ts < p_end
+            lt = tl.load(
+                left_ptr + ts[None, :] * stride_lt + ms[:, None] * stride_lm,
+                mask=m_mask[:, None] & t_mask[None, :], other=0.0,
+            )
+            r = tl.load(
+                right_ptr + ts[:, None] * stride_rt + ps[None, :] * stride_rp,
+                mask=t_mask[:, None] & p_mask[None, :], other=0.0,
+            )
+            part = _dot_acc(part, lt, r, UPCAST)
+        if HAS_SCALE:
+            part = part * tl.load(scale_ptr + seg)
+        acc += part
+    tl.store(out_ptrs, acc, mask=out_mask)
+
+
 # --------------------------------------------------------------------------- launchers
 
 # Decided once at import: TRITON_INTERPRET is read when @triton.jit runs.
@@ -164,18 +228,26 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(max(n, 1))))
 
 
-def _shrink_blocks(max_len: int, r: int, k: int) -> tuple[int, int, int]:
-    # R <= 128 fits one column block, so x is streamed from memory exactly once.
-    return _block(max_len, 64), _block(r, 128), _block(k, 64)
+# Block sizes never follow the batch (the longest segment, the largest rank): see the module
+# docstring. Rows: 32 per program. Ranks (<= 64 in one block) are padded to whole blocks of 16.
+ROW_BLOCK = 32
+RANK_BLOCK = 16
+GRAD_CHUNK_ROWS = 32  # rows per step of a piece's reduction in sgmv_weight_grad_pieces
 
 
-def _expand_blocks(max_len: int, n: int, r: int) -> tuple[int, int, int]:
-    # N is large (vocab-sized): 128-wide column tiles; R is looped in <= 64 chunks.
-    return _block(max_len, 64), _block(n, 128), _block(r, 64)
+def _shrink_blocks(k: int) -> tuple[int, int, int]:
+    # R <= 64 fits one column block, so x is streamed from memory exactly once.
+    return ROW_BLOCK, 64, _block(k, 64)
 
 
-def _weight_grad_blocks(m: int, p: int, max_len: int) -> tuple[int, int, int]:
-    return _block(m, 64), _block(p, 64), _block(max_len, 64)
+def _expand_blocks(n: int) -> tuple[int, int, int]:
+    # N is large (vocab-sized): 128-wide column tiles; R is looped in chunks of 16 (zero padding
+    # to a longer R adds whole zero chunks, which leave the sum as it was).
+    return ROW_BLOCK, _block(n, 128), RANK_BLOCK
+
+
+def _weight_grad_blocks(m: int, p: int) -> tuple[int, int, int]:
+    return 32, 64, GRAD_CHUNK_ROWS
 
 
 def _check_launchable(t: torch.Tensor) -> None:
@@ -244,7 +316,7 @@ def sgmv_shrink(
     info = check_shrink_args(x, w, seg_starts, seg_ends, scale)
     _check_launchable(x)
     out = _new_output(x.shape[0], w.shape[1], x, info)
-    blocks = _shrink_blocks(info.max_len, w.shape[1], w.shape[2])
+    blocks = _shrink_blocks(w.shape[2])
     _launch_rows(x, w, out, seg_starts, seg_ends, scale, info, blocks, accumulate=False)
     return out
 
@@ -270,7 +342,7 @@ def sgmv_expand(
         out = _new_output(v.shape[0], w.shape[1], v, info)
     elif not accumulate and not info.covers_all_rows:
         out.zero_()
-    blocks = _expand_blocks(info.max_len, w.shape[1], w.shape[2])
+    blocks = _expand_blocks(w.shape[1])
     _launch_rows(v, w, out, seg_starts, seg_ends, scale, info, blocks, accumulate=accumulate)
     return out
 
@@ -288,13 +360,62 @@ def sgmv_weight_grad(
     num_segments, m, p = seg_starts.shape[0], left.shape[1], right.shape[1]
     # Every (segment, M, P) element is written by the grid, empty segments included.
     out = torch.empty(num_segments, m, p, dtype=torch.float32, device=left.device)
-    block_m, block_n, block_t = _weight_grad_blocks(m, p, info.max_len)
+    block_m, block_n, block_t = _weight_grad_blocks(m, p)
     grid = (triton.cdiv(m, block_m), triton.cdiv(p, block_n), num_segments)
     if 0 in grid:
         return out
     starts = seg_starts.contiguous()
     _sgmv_weight_grad_kernel[grid](
         left, right, out, starts, seg_ends.contiguous(), _scale_arg(scale, starts),
+        m, p,
+        left.stride(0), left.stride(1),
+        right.stride(0), right.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HAS_SCALE=scale is not None,
+        UPCAST=_INTERPRETED,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_T=block_t,
+    )
+    return out
+
+
+def piece_table(pieces: GradPieces, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(piece starts, piece ends, each segment's first piece and one past its last) of `pieces`,
+    in the order each segment adds them."""
+    offsets = [0]
+    for n in pieces.per_segment:
+        offsets.append(offsets[-1] + n)
+    return (torch.tensor([start for start, _ in pieces.spans], dtype=torch.int64, device=device),
+            torch.tensor([end for _, end in pieces.spans], dtype=torch.int64, device=device),
+            torch.tensor(offsets, dtype=torch.int64, device=device))
+
+
+def sgmv_weight_grad_pieces(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: torch.Tensor | None = None,
+    init: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[s] = init[s] + scale[s] * left[piece].T @ right[piece], piece after piece of segment s
+    in order (`piece_table`); -> [S, M, P] float32 (init is zero when None; it is updated in place
+    when float32 and contiguous)."""
+    tile_starts, tile_ends, segment_tiles = table
+    if left.shape[0] != right.shape[0]:
+        raise ValueError(f"left and right need the same number of rows, got {left.shape[0]} and {right.shape[0]}")
+    _check_launchable(left)
+    num_segments, m, p = segment_tiles.shape[0] - 1, left.shape[1], right.shape[1]
+    if init is None:
+        out = torch.zeros(num_segments, m, p, dtype=torch.float32, device=left.device)
+    else:
+        out = init if init.dtype == torch.float32 and init.is_contiguous() else init.float().contiguous()
+    block_m, block_n, block_t = 32, 64, GRAD_CHUNK_ROWS
+    grid = (triton.cdiv(m, block_m), triton.cdiv(p, block_n), num_segments)
+    if 0 in grid:
+        return out
+    _sgmv_weight_grad_pieces_kernel[grid](
+        left, right, out, tile_starts, tile_ends, segment_tiles, _scale_arg(scale, tile_starts),
         m, p,
         left.stride(0), left.stride(1),
         right.stride(0), right.stride(1),

@@ -13,64 +13,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from workers.trainer.errors import InvalidInputError
-from workers.trainer.lora_layers import target_module_names
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int = 16
-    alpha: float = 32.0
-    seed: int = 0
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-
-    def validate(self, max_rank: int) -> None:
-        if not isinstance(self.rank, int) or not 1 <= self.rank <= max_rank:
-            raise InvalidInputError("lora_config.rank", f"must be an integer in [1, {max_rank}], got {self.rank!r}")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise InvalidInputError("lora_config.alpha", f"must be a positive finite number, got {self.alpha!r}")
-        if not (self.train_attn or self.train_mlp or self.train_unembed):
-            raise InvalidInputError("lora_config", "at least one of train_attn, train_mlp, train_unembed must be true")
-
-    def target_modules(self) -> tuple[str, ...]:
-        return target_module_names(self.train_attn, self.train_mlp, self.train_unembed)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """Tinker's AdamParams, with its defaults."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 disables clipping
-
-    def validate(self) -> None:
-        checks = {
-            "learning_rate": self.learning_rate >= 0,
-            "beta1": 0 <= self.beta1 < 1,
-            "beta2": 0 <= self.beta2 < 1,
-            "eps": self.eps > 0,
-            "weight_decay": self.weight_decay >= 0,
-            "grad_clip_norm": self.grad_clip_norm >= 0,
-        }
-        for name, ok in checks.items():
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
-                raise InvalidInputError(f"adam_params.{name}", f"invalid value {value!r}")
+from contract.configs import LoraConfig
 
 
 class LoraWeights(nn.Module):

@@ -1,49 +1,28 @@
-"""Engine-level request types, their validation, and packing many requests into one sequence.
+"""Prepared requests (their arrays as tensors), their engine passes, and packing many into one sequence.
 
-Datum alignment follows Tinker: every loss_fn_inputs tensor has leading dim N = len(tokens),
-and position i of the input predicts target_tokens[i].
+A request is checked and its arrays converted by workers/trainer/inputs.py (without torch, so the
+API runs the same checks); `prepare_request` makes tensors of them for the engine.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from workers.trainer.errors import InvalidInputError
-from workers.trainer.losses import FLOAT_INPUTS, LOSSES, LossSpec
+from workers.trainer.inputs import ForwardBackwardInput, check_request
+from workers.trainer.loss_specs import LossSpec
 from workers.trainer.packed_attention import AttentionLayout
 from workers.trainer.shared_prefix import group_mask, share_plan, shared_length
 
-TensorLike = Tensor | np.ndarray | Sequence[Any]
-
 
 @dataclass
-class Datum:
-    tokens: TensorLike  # the model input, token ids
-    loss_fn_inputs: dict[str, TensorLike] = field(default_factory=dict)
+class EngineOutput:
+    """One forward/forward_backward request's result as the engine gives it: tensors, and the metrics of
+    each pass. (The client's `loraplex.types.ForwardBackwardOutput` is what the wire makes of it.)"""
 
-
-@dataclass
-class ForwardBackwardInput:
-    """One request: datums of one adapter with one loss. `forward_only` computes outputs, no gradient."""
-
-    adapter_id: str
-    data: list[Datum]
-    loss_fn: str = "cross_entropy"
-    loss_fn_config: dict[str, float] | None = None
-    forward_only: bool = False
-    # Its datums take engine passes of their own, cut as if it ran alone: a part of a request run in
-    # parts (workers/trainer/parts.py) then gets the bits the whole request gets alone.
-    own_passes: bool = False
-
-
-@dataclass
-class ForwardBackwardOutput:
     loss_fn_outputs: list[dict[str, Tensor]]  # per datum, e.g. {"logprobs": float32 [N] or [N, K]}
     metrics: dict[str, float]  # "name:reduction", e.g. "loss:sum"
     # each engine pass's metrics of this request and its datums there, in order: `metrics` is their
@@ -53,7 +32,7 @@ class ForwardBackwardOutput:
 
 @dataclass
 class PreparedRequest:
-    """A validated request: tensors converted, defaults filled."""
+    """A checked request: tensors converted, defaults filled."""
 
     index: int  # position in the caller's list
     request: ForwardBackwardInput
@@ -64,36 +43,43 @@ class PreparedRequest:
     datum_ids: list[int] | None = None  # in a piece of a split request: which of its datums these are
 
 
+def prepare_request(index: int, request: ForwardBackwardInput, vocab_size: int, max_len: int) -> PreparedRequest:
+    """Check one request completely (no state is touched; InvalidInputError naming the field) and make
+    tensors of its arrays."""
+    checked = check_request(request, vocab_size, max_len)
+    tokens = [_tensor(t) for t in checked.tokens]
+    inputs = [{name: _tensor(array) for name, array in datum.items()} for datum in checked.inputs]
+    return PreparedRequest(index, request, checked.spec, tokens, inputs, checked.config)
+
+
+def _tensor(array: np.ndarray) -> Tensor:
+    # no copy, unless the array runs backwards in memory: torch cannot view negative strides
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
 def split_into_passes(requests: list[PreparedRequest], max_tokens: int,
                       min_shared: int = 0) -> list[list[PreparedRequest]]:
-    """Cut a batch into passes of at most `max_tokens` packed rows, at datum boundaries (a longer
-    datum gets a pass of its own). A datum that shares its first rows with its group's leader in
-    the same pass costs only its own rows (`shared_prefix`, as `pack` lays them out). Losses are
-    sums over datums, so the pieces' results add up exactly. A request with `own_passes` shares
-    no pass with another: its passes are those it gets alone."""
+    """Cut a batch into passes of at most `max_tokens` packed rows. Each request is cut into
+    pieces as if it ran alone, at datum boundaries (a longer datum gets a piece of its own); a
+    datum that shares its first rows with its group's leader in the same piece costs only its own
+    rows (`shared_prefix`, as `pack` lays them out). Pieces then fill passes in order and are never
+    cut again: a request's pieces, and with them its sharing, its per-pass losses and the order
+    its gradient is summed in (workers/sgmv/grad_pieces.py), do not depend on the other requests
+    of the batch. Losses are sums over datums, so the pieces' results add up. A request with
+    `own_passes` shares no pass with another."""
     passes: list[list[PreparedRequest]] = []
     current: list[PreparedRequest] = []
     used = 0
-
-    def piece(r: PreparedRequest, start: int, end: int) -> PreparedRequest:
-        return replace(r, tokens=r.tokens[start:end], inputs=r.inputs[start:end], datum_ids=list(range(start, end)))
-
     for r in requests:
         if r.request.own_passes and current:
             passes.append(current)
             current, used = [], 0
-        start, leader = 0, None  # r's piece in the current pass begins at datum `start`
-        for d, t in enumerate(r.tokens):
-            shared = shared_length(leader, t, min_shared)
-            if used + t.numel() - shared > max_tokens and used > 0:
-                if d > start:
-                    current.append(piece(r, start, d))
+        for piece, rows in _pieces(r, max_tokens, min_shared):
+            if current and used + rows > max_tokens:
                 passes.append(current)
-                current, used, start, shared = [], 0, d, 0
-            if shared == 0:
-                leader = t
-            used += t.numel() - shared
-        current.append(piece(r, start, len(r.tokens)))
+                current, used = [], 0
+            current.append(piece)
+            used += rows
         if r.request.own_passes:
             passes.append(current)
             current, used = [], 0
@@ -102,110 +88,23 @@ def split_into_passes(requests: list[PreparedRequest], max_tokens: int,
     return passes
 
 
-def _as_tensor(value: TensorLike, where: str) -> Tensor:
-    try:
-        return value if isinstance(value, Tensor) else torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(where, f"not a numeric array ({e})") from None
+def _pieces(r: PreparedRequest, max_tokens: int, min_shared: int) -> list[tuple[PreparedRequest, int]]:
+    """`r` cut into pieces of at most `max_tokens` rows as it is cut running alone: (piece, its rows)."""
+    pieces, start, used, leader = [], 0, 0, None
+    for d, t in enumerate(r.tokens):
+        shared = shared_length(leader, t, min_shared)
+        if used + t.numel() - shared > max_tokens and used > 0:
+            pieces.append((_piece(r, start, d), used))
+            start, used, shared = d, 0, 0
+        if shared == 0:
+            leader = t
+        used += t.numel() - shared
+    pieces.append((_piece(r, start, len(r.tokens)), used))
+    return pieces
 
 
-def _token_ids(value: TensorLike, where: str, vocab_size: int) -> Tensor:
-    t = _as_tensor(value, where)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise InvalidInputError(where, f"token ids must be integers, got dtype {t.dtype}")
-    t = t.to(torch.int64)
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-        bad = t[(t < 0) | (t >= vocab_size)][0].item()
-        raise InvalidInputError(where, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    return t
-
-
-def _validate_config(loss_fn: str, spec: LossSpec, config: dict[str, Any] | None) -> dict[str, float]:
-    merged = dict(spec.config_defaults)
-    for key, value in (config or {}).items():
-        where = f"loss_fn_config[{key!r}]"
-        if key not in spec.config_defaults:
-            known = sorted(spec.config_defaults) or "none"
-            raise InvalidInputError(where, f"not a setting of {loss_fn} (settings: {known})")
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                raise InvalidInputError(where, f"must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise InvalidInputError(where, f"must be a finite number, got {value!r}")
-        merged[key] = float(value)
-    if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
-        raise InvalidInputError("loss_fn_config", "clip_low_threshold must not exceed clip_high_threshold")
-    if spec.check_config is not None:
-        spec.check_config(merged)
-    return merged
-
-
-def _validate_datum(i: int, datum: Datum, loss_fn: str, spec: LossSpec, vocab_size: int, max_len: int):
-    tokens = _token_ids(datum.tokens, f"data[{i}].model_input", vocab_size)
-    if tokens.dim() != 1 or tokens.numel() == 0:
-        raise InvalidInputError(f"data[{i}].model_input", f"must be a non-empty list of tokens, got shape {tuple(tokens.shape)}")
-    n = tokens.numel()
-    if n > max_len:
-        raise InvalidInputError(f"data[{i}].model_input", f"{n} tokens exceed the model's context of {max_len}")
-
-    allowed = set(spec.required_inputs) | set(spec.optional_inputs)
-    for key in datum.loss_fn_inputs:
-        if key not in allowed | set(spec.server_inputs):
-            raise InvalidInputError(f"data[{i}].loss_fn_inputs[{key!r}]", f"not an input of {loss_fn} (inputs: {sorted(allowed)})")
-    for key in spec.required_inputs:
-        if key not in datum.loss_fn_inputs:
-            raise InvalidInputError(f"data[{i}].loss_fn_inputs[{key!r}]", f"required by {loss_fn} but missing")
-    if any(key not in datum.loss_fn_inputs for key in spec.server_inputs):  # the server resolves provenance first
-        raise InvalidInputError(
-            f"data[{i}].loss_fn_input_spans", f"{loss_fn} needs provenance: sample with record_stability_info=True "
-            "and name each row's sampled sequence (Datum.with_provenance)")
-    allowed |= set(spec.server_inputs)
-
-    where = f"data[{i}].loss_fn_inputs['target_tokens']"
-    targets = _token_ids(datum.loss_fn_inputs["target_tokens"], where, vocab_size)
-    allowed_dims = (1, 2) if spec.multi_target else (1,)
-    if targets.dim() not in allowed_dims or targets.shape[0] != n or (targets.dim() == 2 and targets.shape[1] == 0):
-        expected = f"({n},) or ({n}, K)" if spec.multi_target else f"({n},)"
-        raise InvalidInputError(where, f"shape {tuple(targets.shape)} does not match the model input: expected {expected}")
-
-    inputs = {"target_tokens": targets}
-    for key in FLOAT_INPUTS:
-        if key not in allowed:
-            continue
-        where = f"data[{i}].loss_fn_inputs[{key!r}]"
-        if key in datum.loss_fn_inputs:
-            t = _as_tensor(datum.loss_fn_inputs[key], where)
-            if not (t.dtype.is_floating_point or t.dtype in (torch.int32, torch.int64, torch.bool)):
-                raise InvalidInputError(where, f"must be numbers, got dtype {t.dtype}")
-            t = t.to(torch.float32)
-            if t.shape != targets.shape:
-                raise InvalidInputError(where, f"shape {tuple(t.shape)} does not match target_tokens {tuple(targets.shape)}")
-            if not torch.isfinite(t).all():
-                raise InvalidInputError(where, "contains NaN or infinity")
-        else:
-            t = torch.full(targets.shape, spec.optional_inputs[key], dtype=torch.float32)
-        inputs[key] = t
-    if spec.check_datum is not None:
-        spec.check_datum(i, inputs)
-    return tokens, inputs
-
-
-def prepare_request(index: int, request: ForwardBackwardInput, vocab_size: int, max_len: int) -> PreparedRequest:
-    """Validate one request completely (no state is touched); raise InvalidInputError naming the field."""
-    spec = LOSSES.get(request.loss_fn)
-    if spec is None:
-        raise InvalidInputError("loss_fn", f"unknown loss {request.loss_fn!r}; known: {sorted(LOSSES)}")
-    if not request.data:
-        raise InvalidInputError("data", "must contain at least one datum")
-    config = _validate_config(request.loss_fn, spec, request.loss_fn_config)
-    tokens, inputs = [], []
-    for i, datum in enumerate(request.data):
-        t, inp = _validate_datum(i, datum, request.loss_fn, spec, vocab_size, max_len)
-        tokens.append(t)
-        inputs.append(inp)
-    return PreparedRequest(index, request, spec, tokens, inputs, config)
+def _piece(r: PreparedRequest, start: int, end: int) -> PreparedRequest:
+    return replace(r, tokens=r.tokens[start:end], inputs=r.inputs[start:end], datum_ids=list(range(start, end)))
 
 
 @dataclass

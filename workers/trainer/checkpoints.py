@@ -5,9 +5,7 @@ checkpoint only when complete (workers/store.py: a rename on local disk, a new v
 store). Locations are local paths or fsspec URLs. Both carry a `manifest.json` with the SHA-256 of
 their files, verified on load, so a truncated or altered checkpoint is refused instead of trained
 on or sampled from (a training state: its tensors file; a sampler snapshot: each of its files).
-
-Errors name the file inside the checkpoint (state.safetensors, adapter_model.safetensors), never
-the server's path (it holds the tenant's id): callers put the checkpoint's tinker:// path in front.
+The file formats, and reading and verifying them without torch, are checkpoint_files.py's.
 """
 
 from __future__ import annotations
@@ -22,56 +20,14 @@ import torch
 from safetensors.torch import load as load_bytes, save_file
 from torch import nn
 
+from contract.configs import LoraConfig
+from contract.errors import InvalidInputError
 from workers import store
-from workers.trainer.adapters import Adapter, LoraConfig, LoraWeights
-from workers.trainer.errors import EngineError, InvalidInputError
-
-STATE_FORMAT = "loraplex-training-state/1"
-SNAPSHOT_FORMAT = "loraplex-peft-snapshot/1"  # a PEFT folder's manifest: {"files_sha256": {name: digest}}
-STATE_TENSORS = "state.safetensors"
-MANIFEST = "manifest.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
-SNAPSHOT_METADATA = "loraplex.json"  # beside a PEFT folder's files: {"policy_version": steps, "adapter_id": ...}
-TENSORS_CORRUPT = (f"{STATE_TENSORS} failed its integrity check "
-                   "(its SHA-256 differs from the manifest: corrupt or truncated)")
-
-
-class CheckpointError(EngineError):
-    """A checkpoint that is missing, corrupt, or does not fit this base model."""
-
-    category = "user"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_snapshot_manifest(folder: Path) -> None:
-    """A sampler snapshot's manifest: the SHA-256 of every file beside it."""
-    files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps({"format": SNAPSHOT_FORMAT, "files_sha256": files}, indent=2))
-
-
-def snapshot_integrity(folder: str | Path) -> list[str] | None:
-    """The files of a local sampler snapshot folder that fail its manifest (changed, truncated or
-    missing; the manifest itself if unreadable), [] if all match, None if it has no manifest (a
-    snapshot written before snapshots had one: nothing to check it against)."""
-    folder = Path(folder)
-    if not (folder / MANIFEST).exists():
-        return None
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        expected = dict(manifest["files_sha256"]) if manifest.get("format") == SNAPSHOT_FORMAT else None
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
-        expected = None
-    if expected is None:
-        return [MANIFEST]
-    return [name for name, digest in sorted(expected.items())
-            if not (folder / name).is_file() or _sha256(folder / name) != digest]
+from workers.trainer.adapters import Adapter, LoraWeights
+from workers.trainer.checkpoint_files import (
+    MANIFEST, PEFT_WEIGHTS, SNAPSHOT_METADATA, STATE_FORMAT, STATE_TENSORS, TENSORS_CORRUPT, CheckpointError,
+    sha256_file, snapshot_integrity, verified_manifest, write_snapshot_manifest,
+)
 
 
 # --- PEFT folder (sampler weights) -------------------------------------------------------------
@@ -148,11 +104,6 @@ def export_peft(checkpoint: str | Path, dest: str | Path, base_model_path: str |
     return Path(dest)
 
 
-def read_snapshot_metadata(path: str | Path) -> dict | None:
-    """The `loraplex.json` of a sampler snapshot folder, or None if the folder or file is missing."""
-    return store.read_json(path, SNAPSHOT_METADATA)
-
-
 # --- training state ----------------------------------------------------------------------------
 
 
@@ -196,7 +147,7 @@ class TrainingState:
                 "step": self.step,
                 "has_optimizer_state": any(k.startswith("exp_avg/") for k in self.tensors),
                 "has_gradients": any(k.startswith("grad/") for k in self.tensors),
-                "tensors_sha256": _sha256(tmp / STATE_TENSORS),
+                "tensors_sha256": sha256_file(tmp / STATE_TENSORS),
                 "extra": extra or {},
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -209,40 +160,8 @@ def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None =
     return TrainingState.capture(adapter, with_gradients=with_gradients).write(path, extra)
 
 
-def read_manifest(path: str | Path) -> dict | None:
-    """The manifest of a training-state checkpoint, or None if there is none (not verified)."""
-    return store.read_json(path, MANIFEST)
-
-
-def _verified_manifest(location: str | Path) -> tuple[dict, Path]:
-    """The manifest of a training state and its tensors file, checked as far as reading the manifest goes."""
-    path = store.local_folder(location)
-    if path is None:
-        raise CheckpointError("no checkpoint is there (the folder is missing)")
-    manifest_path, tensors_path = path / MANIFEST, path / STATE_TENSORS
-    for required in (manifest_path, tensors_path):
-        if not required.is_file():
-            raise CheckpointError(f"not a training-state checkpoint: {required.name} is missing")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{MANIFEST} is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"{MANIFEST}: unsupported checkpoint format "
-                              f"{manifest.get('format') if isinstance(manifest, dict) else manifest!r}")
-    return manifest, tensors_path
-
-
-def verify_training_state(location: str | Path) -> dict:
-    """The manifest of a training state whose tensors match their SHA-256 (CheckpointError if not)."""
-    manifest, tensors_path = _verified_manifest(location)
-    if _sha256(tensors_path) != manifest.get("tensors_sha256"):
-        raise CheckpointError(TENSORS_CORRUPT)
-    return manifest
-
-
 def _read_verified(location: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    manifest, tensors_path = _verified_manifest(location)
+    manifest, tensors_path = verified_manifest(location)
     data = tensors_path.read_bytes()  # read once: hashed and parsed from the same bytes
     if hashlib.sha256(data).hexdigest() != manifest.get("tensors_sha256"):
         raise CheckpointError(TENSORS_CORRUPT)

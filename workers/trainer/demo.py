@@ -17,10 +17,11 @@ import transformers
 import typer
 from transformers import AutoTokenizer
 
+from contract.configs import LoraConfig
+from loraplex.types import AdamParams
 from workers.models.tiny import tiny_corpus
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 TENANTS = {
     # tenant: (LoRA config, learning rate, which corpus lines it trains on)
@@ -34,9 +35,9 @@ def kind_of(line: str) -> str:
     return "arithmetic" if line.startswith("What is") else "chat" if line.startswith("<|im_start|>") else "prose"
 
 
-def sft_datum(tokenizer, text: str) -> Datum:
+def sft_datum(tokenizer, text: str) -> EngineDatum:
     ids = tokenizer(text)["input_ids"]
-    return Datum(ids[:-1], {"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
+    return EngineDatum(ids[:-1], {"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
 
 
 def main(model: str = "tiny", rounds: int = 30, batch: int = 4, out: Path = Path("data/demo")) -> None:

@@ -18,21 +18,17 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from contract.configs import LoraConfig, check_adam_params
+from contract.errors import EngineError, InvalidInputError, UnknownAdapterError
+from loraplex.types import AdamParams
 from workers.cpu_threads import intra_op_threads
 from workers.host_memory import retain_freed_host_memory
-from workers.models.registry import resolve_model
+from workers.sgmv import row_gemm
+from workers.models.registry import DEFAULT_CACHE_DIR, resolve_model
 from workers.trainer import checkpoints
-from workers.trainer.adapters import Adapter, AdamParams, LoraConfig
-from workers.trainer.batch import (
-    ForwardBackwardInput,
-    ForwardBackwardOutput,
-    PackedBatch,
-    PreparedRequest,
-    pack,
-    prepare_request,
-    split_into_passes,
-)
-from workers.trainer.errors import EngineError, InvalidInputError, UnknownAdapterError
+from workers.trainer.adapters import Adapter
+from workers.trainer.batch import EngineOutput, PackedBatch, PreparedRequest, pack, prepare_request, split_into_passes
+from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
 from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
@@ -63,13 +59,14 @@ class TrainerEngine:
         max_rank: int = 64,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        cache_dir: str | Path | None = None,
+        cache_dir: str | Path = DEFAULT_CACHE_DIR,
         sgmv_backend: str = "auto",
         max_pass_tokens: int = 512,
         min_shared_prefix: int = MIN_SHARED_TOKENS,
         parallel_min_macs: float = PARALLEL_MIN_MACS,
+        keep_glibc_malloc_defaults: bool = False,
     ) -> None:
-        retain_freed_host_memory()  # before the model loads: passes then reuse warm pages
+        retain_freed_host_memory(keep_glibc_malloc_defaults)  # before the model loads: passes then reuse warm pages
         self.model_path = resolve_model(str(base_model), cache_dir)
         self.base_model_name = str(base_model)
         self.max_rank = max_rank
@@ -119,14 +116,14 @@ class TrainerEngine:
 
     # --- forward / backward ----------------------------------------------------------------------
 
-    def forward(self, requests: list[ForwardBackwardInput]) -> list[ForwardBackwardOutput | EngineError]:
+    def forward(self, requests: list[ForwardBackwardInput]) -> list[EngineOutput | EngineError]:
         return self.forward_backward([replace(r, forward_only=True) for r in requests])
 
     def forward_backward(
         self, requests: list[ForwardBackwardInput]
-    ) -> list[ForwardBackwardOutput | EngineError]:
+    ) -> list[EngineOutput | EngineError]:
         """One batched pass over many adapters' requests; results (or errors) in request order."""
-        results: list[ForwardBackwardOutput | EngineError | None] = [None] * len(requests)
+        results: list[EngineOutput | EngineError | None] = [None] * len(requests)
         prepared: list[PreparedRequest] = []
         for i, request in enumerate(requests):
             try:
@@ -139,7 +136,7 @@ class TrainerEngine:
                 results[p.index] = out
         return results  # type: ignore[return-value]
 
-    def _run(self, prepared: list[PreparedRequest]) -> list[ForwardBackwardOutput]:
+    def _run(self, prepared: list[PreparedRequest]) -> list[EngineOutput]:
         """Run the batch in passes of at most `max_pass_tokens` tokens (gradients accumulate
         across passes as across calls) and put each request's pieces back together."""
         logprobs = {p.index: [None] * len(p.tokens) for p in prepared}
@@ -152,34 +149,49 @@ class TrainerEngine:
             if self.between_passes is not None:
                 self.between_passes()
         return [
-            ForwardBackwardOutput(logprobs[p.index], merge_metrics(pass_metrics[p.index]), pass_metrics[p.index])
+            EngineOutput(logprobs[p.index], merge_metrics(pass_metrics[p.index]), pass_metrics[p.index])
             for p in prepared
         ]
 
-    def _pass(self, prepared: list[PreparedRequest]) -> list[ForwardBackwardOutput]:
+    def _pass(self, prepared: list[PreparedRequest]) -> list[EngineOutput]:
         """One packed forward (and backward) over all tokens of `prepared`."""
         batch = pack(prepared, self.min_shared_prefix)
         needs_grad = any(not p.request.forward_only for p in prepared)
-        spans = [(self.adapters[a], start, end) for a, start, end in batch.adapter_spans]
-        plan = RoutingPlan(spans, StackedAdapters.for_pass(spans, batch.input_ids.numel(), needs_grad, self.device))
         with intra_op_threads(self.pass_threads(batch.input_ids.numel())):
-            return self._packed_pass(prepared, batch, plan, needs_grad)
+            batch = self._padded(batch)
+            spans = [(self.adapters[a], start, end) for a, start, end in batch.adapter_spans]
+            pieces = span_pieces(batch, prepared, [(start, end) for _, start, end in spans])
+            stacked = StackedAdapters.for_pass(spans, batch.input_ids.numel(), needs_grad, self.device, pieces,
+                                               row_gemm.min_rows())
+            return self._packed_pass(prepared, batch, RoutingPlan(spans, stacked, pieces), needs_grad)
 
     def pass_threads(self, rows: int) -> int | None:
         """Intra-op threads for a pass over `rows` token rows: one for a small CPU pass, else
-        None (torch's default)."""
+        None (torch's default). One thread and two give every row the same bits (rows padded to
+        row_gemm.min_rows()); more threads were not measured, so there every pass takes the default."""
         if self.device.type != "cpu" or rows * self._base_parameters >= self.parallel_min_macs:
+            return None
+        if torch.get_num_threads() > 2:
             return None
         return 1
 
+    def _padded(self, batch: PackedBatch) -> PackedBatch:
+        """The batch with rows of no datum appended up to row_gemm.min_rows(): MKL computes a
+        product of fewer rows with other kernels, which would give a lone short request other bits
+        than it gets beside others (workers/sgmv/row_gemm.py)."""
+        n, need = batch.input_ids.numel(), row_gemm.min_rows()
+        if self.device.type != "cpu" or n >= need:
+            return batch
+        return replace(batch, input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(need - n)]),
+                       position_ids=torch.cat([batch.position_ids, torch.arange(need - n)]),
+                       layout=batch.layout.padded(n, need - n))
+
     def _packed_pass(self, prepared: list[PreparedRequest], batch: PackedBatch, plan: RoutingPlan,
-                     needs_grad: bool) -> list[ForwardBackwardOutput]:
+                     needs_grad: bool) -> list[EngineOutput]:
         with torch.set_grad_enabled(needs_grad):
             outputs, total_loss = pass_losses(prepared, batch, self.target_logprobs(batch, plan))
         if total_loss is not None:
             total_loss.backward()  # gradients accumulate into each adapter's own .grad
-            if plan.stacked is not None:
-                plan.stacked.add_gradients()
             for adapter, _, _ in plan.spans:
                 adapter.gradients_pending = True
         return outputs
@@ -217,7 +229,7 @@ class TrainerEngine:
         valid: list[tuple[int, Adapter, AdamParams]] = []
         for i, (adapter_id, adam) in enumerate(steps):
             try:
-                adam.validate()
+                check_adam_params(adam)
                 valid.append((i, self.adapter(adapter_id), adam))
             except InvalidInputError as e:
                 results[i] = e
@@ -250,3 +262,20 @@ class TrainerEngine:
         )
         self.adapters[adapter_id] = adapter
         return adapter
+
+
+def span_pieces(batch: PackedBatch, prepared: list[PreparedRequest],
+                spans: list[tuple[int, int]]) -> list[tuple[tuple[int, int], ...]]:
+    """The rows of each request in each adapter's span, in order: the pieces its weight gradients
+    add one by one (workers/sgmv/grad_pieces.py). A request's rows begin at its first datum's
+    first position (a datum that begins a request shares no rows)."""
+    first_rows = []
+    for p in prepared:
+        position = batch.datum_offsets[p.index][0]
+        first_rows.append(int(batch.position_rows[position]) if batch.position_rows is not None else position)
+    first_rows.sort()
+    pieces = []
+    for start, end in spans:
+        starts = [row for row in first_rows if start <= row < end]
+        pieces.append(tuple(zip(starts, [*starts[1:], end])))
+    return pieces

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from contract.configs import target_module_names
+from workers.sgmv.grad_pieces import Pieces
 from workers.sgmv.segmented_lora import Segment, apply_lora_group, apply_segmented_lora
 from workers.sgmv.stacked_lora import apply_stacked_lora_group
 
@@ -26,10 +28,7 @@ if TYPE_CHECKING:
     from workers.trainer.adapters import Adapter
     from workers.trainer.stacked_adapters import StackedAdapters
 
-# Tinker's LoRA switches -> the module names they cover (same names in Llama, Qwen2 and Qwen3).
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
+# (Which modules LoRA targets: contract/configs.py, beside the LoraConfig switches that pick them.)
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -40,18 +39,22 @@ class RoutingPlan:
     spans: list[tuple["Adapter", int, int]]
     # the spans' adapters stacked for the bmm path (stacked_adapters.py), where the pass takes it
     stacked: "StackedAdapters | None" = None
+    # each span's pieces: the rows of each of its requests, in order; its weight gradients add them
+    # one by one (workers/sgmv/grad_pieces.py). None: each span is one piece
+    pieces: "list[Pieces] | None" = None
     _by_module: dict[str, list[Segment]] = field(default_factory=dict)
 
     def segments_for(self, module_path: str) -> list[Segment]:
         segments = self._by_module.get(module_path)
         if segments is None:
             segments = []
-            for adapter, start, end in self.spans:
+            for i, (adapter, start, end) in enumerate(self.spans):
                 weights = adapter.weights.get(module_path)
                 if weights is not None and end > start:
                     # the weight gradients go straight into the adapter's .grad (views of its flat tensor)
                     segments.append(Segment(start, end, weights.lora_a, weights.lora_b, adapter.scale,
-                                            weights.lora_a.grad, weights.lora_b.grad))
+                                            weights.lora_a.grad, weights.lora_b.grad,
+                                            self.pieces[i] if self.pieces is not None else ()))
             self._by_module[module_path] = segments
         return segments
 
@@ -101,15 +104,14 @@ class LayerGroup:
         stacked = plan.stacked.layers(self.paths) if plan.stacked is not None and backend in ("auto", "bmm") else None
         if stacked is not None:
             bank = plan.stacked
-            return apply_stacked_lora_group(x, self.layers, stacked, bank.grid, bank.scale, bank.weights,
-                                            lambda: bank.backward_done(self.paths))
+            return apply_stacked_lora_group(x, self.layers, stacked, bank.grid, bank.scale, bank.weights, bank.pieces)
         segments = [plan.segments_for(path) for path in self.paths]
-        if not any(segments):
-            return [layer(x) for layer in self.layers]
         rows = [[(s.start, s.end) for s in segs] for segs in segments]
         if x.is_cuda or backend == "triton" or any(r != rows[0] for r in rows):
             return [apply_segmented_lora(x, layer(x), segs, backend) for layer, segs in zip(self.layers, segments)]
-        return apply_lora_group(x, self.layers, segments, backend)
+        # also without segments: the base layers then sum their input gradient as they do beside
+        # LoRA (in place), so a row's bits do not depend on whether another adapter trains the group
+        return apply_lora_group(x, self.layers, segments if any(segments) else [], backend)
 
 
 class MultiLoRALinear(nn.Module):
@@ -136,12 +138,6 @@ class MultiLoRALinear(nn.Module):
         if self.router.plan is None:
             return self.base(x)
         return self.router.group_output(self.group, self.member, x)
-
-
-def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
-    return (ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ()) + (
-        UNEMBED_MODULES if train_unembed else ()
-    )
 
 
 def wrap_linear_layers(model: nn.Module, router: Router) -> dict[str, nn.Linear]:

@@ -7,12 +7,11 @@ Each loss is a pure function over one request's tokens, concatenated across its 
     datum_index      [n] which datum each token belongs to (for per-sequence terms, e.g. GSPO)
 It returns the per-token loss; the request's loss is its sum (never a mean). docs/losses.md has
 the math of stable_reinforce, the one loss whose inputs the server completes (from what the
-sampler recorded).
+sampler recorded). What each loss takes (inputs, config, checks) is in loss_specs.py, without torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import math
@@ -20,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from workers.trainer.errors import InvalidInputError
+from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
 
 LossFn = Callable[[Tensor, dict[str, Tensor], dict[str, float], Tensor, int], Tensor]
 
@@ -67,12 +66,6 @@ def gspo(tlp, inputs, config, datum_index, n):
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
-# Inputs of stable_reinforce that the server fills in from a datum's provenance spans and what the
-# sampler recorded (scheduler/stability.py); a client never sends them.
-RECORDED_LOGPROBS = "recorded_logprobs"  # per row: the sampler's logprob of the target; 0 off sampled rows
-RECORDED_SEQUENCE = "recorded_sequence"  # per row: k >= 1 for the datum's k-th sampled sequence; 0 off sampled rows
-
-
 def stable_reinforce(tlp, inputs, config, datum_index, n):
     """REINFORCE on recorded samples with truncated importance weights, sequences that drifted too
     far dropped, and an optional squared-log-ratio penalty (docs/losses.md has the math):
@@ -98,70 +91,13 @@ def stable_reinforce(tlp, inputs, config, datum_index, n):
     return torch.where(keep, token_loss, torch.zeros_like(token_loss))
 
 
-def _check_stable_reinforce_config(config: dict[str, float]) -> None:
-    if config["clip_high_threshold"] <= 0:
-        raise InvalidInputError("loss_fn_config['clip_high_threshold']",
-                                "must be > 0 (the cap on a token's importance weight)")
-    if config["sequence_ratio_threshold"] < 1:
-        raise InvalidInputError("loss_fn_config['sequence_ratio_threshold']",
-                                "must be >= 1 (sequences whose mean ratio leaves [1/t, t] are dropped)")
-    if config["kl_coeff"] < 0:
-        raise InvalidInputError("loss_fn_config['kl_coeff']", "must be >= 0")
-
-
-def _check_stable_reinforce_datum(i: int, inputs: dict[str, Tensor]) -> None:
-    seq = inputs[RECORDED_SEQUENCE]
-    if (seq < 0).any() or (seq > seq.numel()).any() or (seq != seq.round()).any():
-        raise InvalidInputError(f"data[{i}].loss_fn_inputs[{RECORDED_SEQUENCE!r}]",
-                                f"must hold whole sequence numbers in [0, {seq.numel()}]")
-    unsampled = (seq == 0) & (inputs["advantages"] != 0)
-    if unsampled.any():
-        p = int(unsampled.nonzero()[0, 0])
-        raise InvalidInputError(
-            f"data[{i}].loss_fn_inputs['advantages']",
-            f"position {p} has advantage {float(inputs['advantages'][p]):g} but no sampled token: its loss row is not "
-            "in a SampledProvenanceSpan; stable_reinforce trains sampled tokens only (give prompt rows advantage 0)")
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    fn: LossFn
-    required_inputs: tuple[str, ...]
-    optional_inputs: dict[str, float] = field(default_factory=dict)  # name -> fill value when absent
-    config_defaults: dict[str, float] = field(default_factory=dict)
-    multi_target: bool = False  # accepts (N, K) target_tokens
-    server_inputs: tuple[str, ...] = ()  # filled in by the server from the datum's provenance
-    check_config: Callable[[dict[str, float]], None] | None = None  # raises InvalidInputError
-    check_datum: Callable[[int, dict[str, Tensor]], None] | None = None  # (datum index, its inputs)
-
-
-_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-
-LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("target_tokens",), {"weights": 1.0}, multi_target=True),
-    "importance_sampling": LossSpec(importance_sampling, _RL_INPUTS),
-    "ppo": LossSpec(ppo, _RL_INPUTS, config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": LossSpec(cispo, _RL_INPUTS, config_defaults={"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
-    # Tinker documents beta only by an example (0.05); we use it as the default.
-    "dro": LossSpec(dro, _RL_INPUTS, config_defaults={"beta": 0.05}),
-    # Tinker leaves GSPO's bounds undocumented ("PPO-like"); we default to PPO's.
-    "gspo": LossSpec(
-        gspo,
-        _RL_INPUTS + ("sequence_ratio_mask",),
-        config_defaults={"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    ),
-    # Tinker publishes the contract (recorded samples named by sequence_id, kl_coeff) but not the
-    # objective; ours and its defaults are in docs/losses.md. The client's `logprobs` are accepted
-    # and not used: the sampler's own record is what the ratios are taken against.
-    "stable_reinforce": LossSpec(
-        stable_reinforce,
-        ("target_tokens", "advantages"),
-        {"logprobs": 0.0},
-        config_defaults={"clip_high_threshold": 2.0, "sequence_ratio_threshold": 2.0, "kl_coeff": 0.0},
-        server_inputs=(RECORDED_LOGPROBS, RECORDED_SEQUENCE),
-        check_config=_check_stable_reinforce_config,
-        check_datum=_check_stable_reinforce_datum,
-    ),
+LOSS_FUNCTIONS: dict[str, LossFn] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+    "dro": dro,
+    "gspo": gspo,
+    "stable_reinforce": stable_reinforce,
 }
-
-FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask", RECORDED_LOGPROBS, RECORDED_SEQUENCE)
+assert LOSS_FUNCTIONS.keys() == LOSS_SPECS.keys(), "every loss needs its spec and its function"

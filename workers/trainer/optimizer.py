@@ -16,8 +16,9 @@ from torch import Tensor
 from torch.nn.utils import clip_grads_with_norm_
 from torch.optim.adamw import adamw
 
-from workers.trainer.adapters import Adapter, AdamParams
-from workers.trainer.errors import InvalidInputError
+from contract.errors import InvalidInputError
+from loraplex.types import AdamParams
+from workers.trainer.adapters import Adapter
 
 
 class _FusedCall:

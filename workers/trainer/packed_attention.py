@@ -48,6 +48,19 @@ class AttentionLayout:
                 same_length.append((length, torch.cat([torch.arange(s, s + length) for s in starts])))
         return AttentionLayout(single, same_length, masked)
 
+    def blocks(self) -> list[tuple[int, int]]:
+        """[start, end) of every block (a datum, or a group sharing a prompt), in row order."""
+        blocks = [(rows.start, rows.stop) for rows in self.single]
+        for length, rows in self.same_length:
+            blocks += [(start, start + length) for start in rows[::length].tolist()]
+        blocks += [(rows.start, rows.stop) for rows, _ in self.masked]
+        return sorted(blocks)
+
+    def padded(self, n_rows: int, rows: int) -> "AttentionLayout":
+        """This layout over `n_rows` rows with `rows` more after them, which attend among themselves
+        (a pass padded to a least number of rows: they are no datum's)."""
+        return AttentionLayout([*self.single, slice(n_rows, n_rows + rows)], self.same_length, self.masked)
+
     def to(self, device: torch.device) -> "AttentionLayout":
         return AttentionLayout(self.single, [(n, rows.to(device)) for n, rows in self.same_length],
                                [(rows, mask.to(device)) for rows, mask in self.masked])
@@ -60,18 +73,23 @@ def packed_causal_attention(module, query, key, value, attention_mask, dropout=0
         layout = AttentionLayout([slice(0, query.shape[2])], [], [])
     if query.shape[0] != 1:
         raise ValueError("packed attention expects one packed row (batch size 1)")
-    gqa = query.shape[1] != key.shape[1]
+    if query.shape[1] != key.shape[1]:
+        # grouped-query attention with each key/value head repeated, not SDPA's enable_gqa: its CPU
+        # backward sums a shared head's gradient over its query heads in an order that follows the
+        # thread count (tiny's 2 query heads on 1 kv head, 5 rows: other bits on 2 threads than on 1)
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
 
     def attend(rows, **how):
         return F.scaled_dot_product_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows],
-                                              scale=scaling, enable_gqa=gqa, **how)
+                                              scale=scaling, **how)
 
     out = torch.empty_like(query)
     for rows in layout.single:
         out[:, :, rows] = attend(rows, is_causal=True)
     for length, rows in layout.same_length:
         q, k, v = (t[0, :, rows].unflatten(1, (-1, length)).transpose(0, 1) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
         out[0, :, rows] = o.transpose(0, 1).flatten(1, 2)
     for rows, mask in layout.masked:
         out[:, :, rows] = attend(rows, attn_mask=mask)

@@ -19,9 +19,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from workers.trainer.batch import (
-    ForwardBackwardInput, ForwardBackwardOutput, PreparedRequest, prepare_request, split_into_passes,
-)
+from contract.queue import PartProgress
+from workers.trainer.batch import EngineOutput, PreparedRequest, prepare_request, split_into_passes
+from workers.trainer.inputs import ForwardBackwardInput
 
 
 def merge_metrics(pieces: Sequence[tuple[Mapping[str, float], int]]) -> dict[str, float]:
@@ -49,14 +49,6 @@ def merge_metrics(pieces: Sequence[tuple[Mapping[str, float], int]]) -> dict[str
         elif reduction == "max":
             merged[key] = max(values)
     return merged
-
-
-@dataclass(frozen=True)
-class PartProgress:
-    """How far a request run in parts has got: datums and their input tokens done."""
-
-    datums: int
-    tokens: int
 
 
 @dataclass
@@ -102,13 +94,13 @@ class SplitRun:
         whole = self.prepared.request
         return replace(whole, data=whole.data[self.done:end], own_passes=True)
 
-    def add(self, output: ForwardBackwardOutput) -> None:
+    def add(self, output: EngineOutput) -> None:
         """The result of the part `next_input` gave."""
         self.tokens_done += sum(t.numel() for t in self.prepared.tokens[self.done:self._next_end])
         self.done = self._next_end
         self.outputs.extend(output.loss_fn_outputs)
         self.pieces.extend(output.pass_metrics)
 
-    def result(self) -> ForwardBackwardOutput:
+    def result(self) -> EngineOutput:
         """The whole request's result, once complete."""
-        return ForwardBackwardOutput(self.outputs, merge_metrics(self.pieces), list(self.pieces))
+        return EngineOutput(self.outputs, merge_metrics(self.pieces), list(self.pieces))

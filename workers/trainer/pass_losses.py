@@ -5,7 +5,8 @@ are one group: their datums' tokens are concatenated and the loss runs once over
 loss is per token, and its per-sequence terms go by `datum_index`, so a datum's loss does not
 depend on what else is in the group). Eight tenants' small RL updates with one loss then cost one
 loss call and one gather of the target logprobs, not eight of each. Each request's `loss:sum` is
-the sum of its own tokens' losses, accumulated in float64.
+the sum of its own tokens' losses, accumulated in float64 one token after another in datum order,
+whatever groups the pass made (a request whose datums have targets of two shapes is in two).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from workers.trainer.batch import ForwardBackwardOutput, PackedBatch, PreparedRequest
+from workers.trainer.batch import EngineOutput, PackedBatch, PreparedRequest
+from workers.trainer.losses import LOSS_FUNCTIONS
 
 
 def pass_losses(prepared: list[PreparedRequest], batch: PackedBatch,
-                target_logprobs: Tensor) -> tuple[list[ForwardBackwardOutput], Tensor | None]:
+                target_logprobs: Tensor) -> tuple[list[EngineOutput], Tensor | None]:
     """Each request's output (per-datum target logprobs, `loss:sum`), and the loss to
     backpropagate: the sum over the requests that are not forward_only (None if all are)."""
     device = target_logprobs.device
@@ -28,7 +30,7 @@ def pass_losses(prepared: list[PreparedRequest], batch: PackedBatch,
             key = (p.request.loss_fn, config, tuple(inputs["target_tokens"].shape[1:]), p.request.forward_only)
             groups.setdefault(key, []).append((r, d))
     per_datum: list[list[Tensor | None]] = [[None] * len(p.tokens) for p in prepared]
-    request_losses = torch.zeros(len(prepared), dtype=torch.float64)
+    datum_losses: list[list[Tensor | None]] = [[None] * len(p.tokens) for p in prepared]  # per token
     total: Tensor | None = None
     for (_, _, _, forward_only), members in groups.items():
         first = prepared[members[0][0]]
@@ -41,16 +43,20 @@ def pass_losses(prepared: list[PreparedRequest], batch: PackedBatch,
         tlp = target_logprobs[positions, 0] if targets.dim() == 1 else target_logprobs[positions, : targets.shape[1]]
         datum_index = torch.repeat_interleave(torch.arange(len(members), device=device),
                                               torch.tensor(lengths, device=device))
-        token_losses = first.spec.fn(tlp, inputs, first.config, datum_index, len(members))
-        request_of_token = torch.repeat_interleave(torch.tensor([r for r, _ in members]), torch.tensor(lengths))
+        token_losses = LOSS_FUNCTIONS[first.request.loss_fn](tlp, inputs, first.config, datum_index, len(members))
         token_sums = token_losses.detach().reshape(len(tlp), -1).sum(1)  # over an (N, K) datum's K targets
-        request_losses.index_add_(0, request_of_token, token_sums.cpu().double())
+        for (r, d), sums in zip(members, token_sums.cpu().double().split(lengths)):
+            datum_losses[r][d] = sums
         if not forward_only:
             total = token_losses.sum() if total is None else total + token_losses.sum()
         for (r, d), lp in zip(members, tlp.detach().cpu().split(lengths)):
             per_datum[r][d] = lp
+    request_of_token = torch.repeat_interleave(
+        torch.arange(len(prepared)), torch.tensor([sum(t.numel() for t in p.tokens) for p in prepared]))
+    request_losses = torch.zeros(len(prepared), dtype=torch.float64).index_add_(  # in order, token by token
+        0, request_of_token, torch.cat([sums for datums in datum_losses for sums in datums]))
     outputs = [
-        ForwardBackwardOutput(loss_fn_outputs=[{"logprobs": lp} for lp in datums], metrics={"loss:sum": loss})
+        EngineOutput(loss_fn_outputs=[{"logprobs": lp} for lp in datums], metrics={"loss:sum": loss})
         for datums, loss in zip(per_datum, request_losses.tolist())
     ]
     return outputs, total

@@ -16,6 +16,8 @@ Every call returns an APIFuture (`.result()` or `await`); every method has an `_
 :mod:`loraplex.wire` holds the wire format, shared with the server. `pull_tokenizer(base_url, api_key,
 model)` (console script: `loraplex tokenizer pull MODEL`) puts a base model's tokenizer into the local
 Hugging Face cache, for loaders that take a hub id (tinker's `get_tokenizer()`, tinker-cookbook).
+`RolloutsClient(service)` reads the rollout store (what harnesses sampled through the server's
+OpenAI-compatible API) and turns trajectories into datums (:mod:`loraplex.rollouts`).
 """
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ from loraplex.errors import (  # noqa: E402
 from loraplex.futures import APIFuture  # noqa: E402
 from loraplex.rest_client import RestClient  # noqa: E402
 from loraplex.rl import check_sequence_extension, prefix_overlap  # noqa: E402
+from loraplex.rollouts import RolloutsClient, Trajectory, TrajectoryDatums, trajectory_datums  # noqa: E402
 from loraplex.sampling_client import SamplingClient  # noqa: E402
 from loraplex.service_client import ServiceClient  # noqa: E402
 from loraplex.tokenizers import PulledTokenizer, pull_tokenizer  # noqa: E402
@@ -39,7 +42,8 @@ from loraplex.types import (  # noqa: E402
 __all__ = [
     "APIConnectionError", "APIFuture", "APIStatusError", "AdamParams", "AuthenticationError", "BadRequestError",
     "Datum", "InternalServerError", "LoraplexError", "ModelInput", "NotFoundError", "PermissionDeniedError",
-    "PulledTokenizer", "RateLimitError", "RequestFailedError", "RestClient", "SampleResponse", "SampledSequence",
-    "SamplingClient", "SamplingParams", "SaveWeightsResponse", "ServiceClient", "TensorData", "TrainingClient",
-    "check_sequence_extension", "prefix_overlap", "pull_tokenizer", "types",
+    "PulledTokenizer", "RateLimitError", "RequestFailedError", "RestClient", "RolloutsClient", "SampleResponse",
+    "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsResponse", "ServiceClient", "TensorData",
+    "TrainingClient", "Trajectory", "TrajectoryDatums", "check_sequence_extension", "prefix_overlap",
+    "pull_tokenizer", "trajectory_datums", "types",
 ]

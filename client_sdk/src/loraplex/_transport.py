@@ -21,7 +21,6 @@ from loraplex.config import ClientConfig
 from loraplex.errors import APIConnectionError, status_error
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
-PROTOBUF = "application/x-protobuf"
 
 
 class _Retryable(Exception):

@@ -16,8 +16,9 @@ from typing import Any, Generic, TypeVar
 
 from tqdm.auto import tqdm
 
-from loraplex._transport import PROTOBUF, Transport
+from loraplex._transport import Transport
 from loraplex.errors import RequestFailedError
+from loraplex.wire.codec import PROTOBUF
 
 T = TypeVar("T")
 PROGRESS_AFTER_SECONDS = 3.0

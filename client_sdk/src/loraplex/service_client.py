@@ -13,6 +13,7 @@ from loraplex.futures import APIFuture, json_result, retrieve
 from loraplex.rest_client import RestClient
 from loraplex.sampling_client import SamplingClient
 from loraplex.training_client import TrainingClient
+from loraplex.types import DEFAULT_LORA_RANK
 
 
 class ServiceClient:
@@ -46,7 +47,7 @@ class ServiceClient:
     def get_server_capabilities(self) -> list[dict]:
         return self.call("GET", "/get_server_capabilities")["supported_models"]
 
-    def create_lora_training_client(self, base_model: str, rank: int = 32, *, seed: int | None = None,
+    def create_lora_training_client(self, base_model: str, rank: int = DEFAULT_LORA_RANK, *, seed: int | None = None,
                                     alpha: float | None = None, train_mlp: bool = True, train_attn: bool = True,
                                     train_unembed: bool = True, user_metadata: dict | None = None) -> TrainingClient:
         """A new LoRA adapter on `base_model` and its training client."""

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loraplex._transport import PROTOBUF
 from loraplex._seq import Counter
 from loraplex.futures import APIFuture, json_result, retrieve
 from loraplex.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse
 from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
+from loraplex.wire.codec import PROTOBUF
 
 if TYPE_CHECKING:
     from loraplex.sampling_client import SamplingClient
@@ -103,10 +103,17 @@ class TrainingClient:
     # --- optimizer, save, load -------------------------------------------------------------------
 
     def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
-        body = {"model_id": self.model_id, "seq_id": self._seq.next(),
-                "adam_params": (adam_params or AdamParams()).to_json(), "type": "optim_step"}
-        return APIFuture(self._transport, self._json_call("/optim_step", body, "OptimStep",
-                                                          lambda r: OptimStepResponse(r.get("metrics", {}))), "optim_step")
+        return self._json_request("optim_step", {"adam_params": (adam_params or AdamParams()).to_json()},
+                                  lambda r: OptimStepResponse(r.get("metrics", {})), "optim_step")
+
+    def _json_request(self, kind: str, fields: dict[str, Any], convert: Callable[[dict], Any],
+                      description: str) -> APIFuture:
+        """POST one of the model's JSON requests (it takes the next seq_id now: calls run in the order they
+        are made) to /<kind>; the future of its result, `convert`ed. model_id and seq_id go first: the
+        server finds them in the first bytes of a body too large to read whole (its refusal passes the seq_id)."""
+        body = {"model_id": self.model_id, "seq_id": self._seq.next(), **fields, "type": kind}
+        request_type = "".join(word.title() for word in kind.split("_"))  # save_weights -> SaveWeights
+        return APIFuture(self._transport, self._json_call(f"/{kind}", body, request_type, convert), description)
 
     async def _json_call(self, path: str, body: dict, kind: str, convert):
         accepted = (await self._transport.request("POST", path, json=body)).json()
@@ -114,25 +121,20 @@ class TrainingClient:
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
         """Weights, Adam moments and step, as tinker://<model>/weights/<name>."""
-        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "path": name, "ttl_seconds": ttl_seconds,
-                "type": "save_weights"}
-        return APIFuture(self._transport, self._json_call("/save_weights", body, "SaveWeights",
-                                                          lambda r: SaveWeightsResponse(r["path"])), f"save_state {name}")
+        return self._json_request("save_weights", {"path": name, "ttl_seconds": ttl_seconds},
+                                  lambda r: SaveWeightsResponse(r["path"]), f"save_state {name}")
 
     def load_state(self, path: str, *, with_optimizer: bool = False) -> APIFuture[dict]:
-        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "path": path, "optimizer": with_optimizer,
-                "type": "load_weights"}
-        return APIFuture(self._transport, self._json_call("/load_weights", body, "LoadWeights", dict), f"load_state {path}")
+        return self._json_request("load_weights", {"path": path, "optimizer": with_optimizer}, dict,
+                                  f"load_state {path}")
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[dict]:
         return self.load_state(path, with_optimizer=True)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
         """A PEFT snapshot, tinker://<model>/sampler_weights/<name>, for samplers and download."""
-        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "path": name, "ttl_seconds": ttl_seconds,
-                "type": "save_weights_for_sampler"}
-        return APIFuture(self._transport, self._json_call("/save_weights_for_sampler", body, "SaveWeightsForSampler",
-                                                          lambda r: SaveWeightsResponse(r["path"])), f"save {name}")
+        return self._json_request("save_weights_for_sampler", {"path": name, "ttl_seconds": ttl_seconds},
+                                  lambda r: SaveWeightsResponse(r["path"]), f"save {name}")
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> "SamplingClient":
         """A sampler of the weights as of now; training can go on while it samples them."""
@@ -142,10 +144,8 @@ class TrainingClient:
             path = self.save_weights_for_sampler(name).result().path
             return self.service.create_sampling_client(model_path=path)
         sampler_seq = self.service.next_sampling_seq()
-        body = {"model_id": self.model_id, "seq_id": self._seq.next(), "sampling_session_seq_id": sampler_seq,
-                "type": "save_weights_for_sampler"}
-        result = APIFuture(self._transport, self._json_call("/save_weights_for_sampler", body, "SaveWeightsForSampler",
-                                                            dict), "snapshot for sampling").result()
+        result = self._json_request("save_weights_for_sampler", {"sampling_session_seq_id": sampler_seq}, dict,
+                                    "snapshot for sampling").result()
         return SamplingClient(self.service, result["sampling_session_id"], self.base_model)
 
     def get_info(self) -> dict:

@@ -12,6 +12,8 @@ import numpy as np
 
 StopReason = Literal["stop", "length"]
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+# Tinker's default LoRA rank: what a model created without one gets (the server applies it too).
+DEFAULT_LORA_RANK = 32
 
 
 def as_array(value: Any) -> np.ndarray:
@@ -107,12 +109,15 @@ class Datum:
 
 @dataclass(frozen=True)
 class AdamParams:
+    """Tinker's AdamParams, with its defaults. The Loraplex server's optimizer takes this same type:
+    one definition for the client and the server."""
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-12
     weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 disables clipping
 
     def to_json(self) -> dict:
         return {"type": "adam", **self.__dict__}

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_MAX_DECOMPRESSED_BYTES",
     "DEFAULT_MAX_DENSE_ELEMENTS",
     "METRIC_REDUCTIONS",
+    "PROTOBUF",
     "TOPK_MASK_LOGPROB",
     "DatumWire",
     "ForwardBackwardWire",
@@ -39,6 +40,8 @@ __all__ = [
     "tensor_data_from_json",
 ]
 
+# The Content-Type of protobuf request bodies and results (the SDK's, the API's and stored results').
+PROTOBUF = "application/x-protobuf"
 DEFAULT_MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024
 # Cap on the dense size of a CSR tensor (its shape is not bounded by the body size).
 DEFAULT_MAX_DENSE_ELEMENTS = 1 << 26

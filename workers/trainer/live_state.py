@@ -13,7 +13,7 @@ replays up to `interval` seconds of each model's steps.
 Integrity: a model's state alternates between two slots, `<live>/<model>` and `<live>/<model>.alt`.
 A write goes to the slot that does not hold the newest complete state, and becomes the newest
 only once it is written whole (its manifest, with the SHA-256 of its tensors, is published last:
-workers/trainer/checkpoints.py); so the previous state is always kept beside the newest (twice
+workers/trainer/checkpoint_files.py); so the previous state is always kept beside the newest (twice
 the disk of one state), and each is checked against its SHA-256 when it is loaded. If the
 newest is corrupt, truncated or gone, the model is restored from the previous one and the
 scheduler replays the requests after it from the database (`place` reports the model, as for a
@@ -32,94 +32,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from scheduler.state_writer import StateWriter
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.trainer.checkpoints import CheckpointError, TrainingState, read_manifest, verify_training_state
-from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import EngineError
+from workers.trainer.checkpoint_files import CheckpointError
+from workers.trainer.checkpoints import TrainingState
+from workers.trainer.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
+from workers.trainer.state_writer import StateWriter
+
+if TYPE_CHECKING:
+    from workers.trainer.engine import TrainerEngine
 
 log = logging.getLogger(__name__)
-
-SLOTS = (("", "main copy"), (".alt", "alternate copy"))  # folder suffix, how errors name it
-REPAIR = "loraplex-admin models rebuild"
-
-
-class LiveStateError(EngineError):
-    """A model's stored training state cannot be restored (category "server": the fault is the
-    service's storage; the message says what was found and what the user or an operator can do)."""
-
-
-@dataclass(frozen=True)
-class Slot:
-    path: str
-    label: str
-    manifest: dict | None  # None: missing or unreadable (not verified either way)
-
-    @property
-    def seq(self) -> int:
-        return int(self.manifest.get("extra", {}).get("seq_id", -1)) if self.manifest else -1
-
-    @property
-    def lineage(self) -> int | None:
-        """The seq_id of the create_model / load_weights its history starts at (None: written before
-        manifests named it)."""
-        return self.manifest.get("extra", {}).get("lineage_seq") if self.manifest else None
-
-    def describe(self) -> str:
-        return f"the {self.label} (after seq_id {self.seq})" if self.manifest else f"the {self.label}"
-
-
-def slot_paths(live_dir: str | Path, model_id: str) -> tuple[str, str]:
-    return tuple(store.join(live_dir, model_id + suffix) for suffix, _ in SLOTS)  # type: ignore[return-value]
-
-
-def read_slots(live_dir: str | Path, model_id: str) -> list[Slot]:
-    """Both slots, newest first by their manifests (which are not verified here); unreadable ones last."""
-    slots = [Slot(path, label, read_manifest(path)) for path, (_, label) in zip(slot_paths(live_dir, model_id), SLOTS)]
-    return sorted(slots, key=lambda s: (s.manifest is not None, s.seq, s.manifest.get("step", 0) if s.manifest else 0),
-                  reverse=True)
-
-
-def candidates(slots: list[Slot], problems: list[str]) -> list[Slot]:
-    """The slots a model may be restored from, newest first: those with a manifest, down to the first
-    whose history started elsewhere than the newest's (a state from before a load_weights is not a
-    base for replaying the requests after it). What is wrong with the others goes to `problems`."""
-    readable = [s for s in slots if s.manifest is not None]
-    for slot in slots:
-        if slot.manifest is None:
-            found = "manifest.json is unreadable" if store.exists(slot.path) else "folder is missing"
-            problems.append(f"{slot.describe()}: its {found}")
-    usable = []
-    for slot in readable:
-        if usable and slot.lineage != readable[0].lineage:
-            problems.append(f"{slot.describe()}: it predates the create_model or load_weights at seq_id "
-                            f"{readable[0].lineage}, so the requests after it cannot be replayed onto it")
-            break
-        usable.append(slot)
-    return usable
-
-
-def newest_verified(live_dir: str | Path, model_id: str) -> tuple[Slot | None, list[str]]:
-    """The newest slot whose tensors match their SHA-256, and what was wrong with the newer ones."""
-    problems: list[str] = []
-    for slot in candidates(read_slots(live_dir, model_id), problems):
-        try:
-            verify_training_state(slot.path)
-        except CheckpointError as e:
-            problems.append(f"{slot.describe()}: {e}")
-            continue
-        return slot, problems
-    return None, problems
-
-
-def cannot_restore(model_id: str, problems: list[str]) -> LiveStateError:
-    found = "; ".join(problems) or "no stored state was found"
-    return LiveStateError(
-        f"the training state of model {model_id} cannot be restored: {found}. Its requests fail until it is "
-        f"repaired: an operator can rebuild it from its last verified state or checkpoint and the requests after "
-        f"it (`{REPAIR} {model_id}`), or you can continue from one of your saved checkpoints (load_state)")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Writes adapters' durable training state on a background thread, newest state first.
 
-The executor captures a copy of an adapter's state (a memory copy, scheduler/live_state.py says
+The executor captures a copy of an adapter's state (a memory copy, workers/trainer/live_state.py says
 when) and goes on at once; this thread writes the copy to the store. Writing on the request's
 path cost 3.4 ms of a `tiny` round and 45-78 ms per SmolLM2 step. A model's newer state replaces
 an older one still waiting. Until it is written the model's durable seq_id is the last written
@@ -8,7 +8,7 @@ one, and after a restart (or a dead worker) the scheduler replays the acknowledg
 it from the database (scheduler/service.py): nothing acknowledged is lost, only recomputed.
 
 Where a state goes may be decided when it is written (`path` a function, called on this thread):
-scheduler/live_state.py picks the slot that does not hold the newest complete state, which only
+workers/trainer/live_state.py picks the slot that does not hold the newest complete state, which only
 this thread changes, through `on_written` (called once a state is written whole).
 """
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from workers.trainer.checkpoints import TrainingState
+if TYPE_CHECKING:
+    from workers.trainer.checkpoints import TrainingState
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,21 @@ import multiprocessing as mp
 import threading
 from pathlib import Path
 
-from scheduler.executor import InProcessExecutor, Job, Outcome
-from scheduler.planner import Cycle
+from contract.queue import Cycle, Job, Outcome
+from workers import store
+from workers.trainer.executor import InProcessExecutor
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 log = logging.getLogger(__name__)
 
 
 def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, state_write_interval: float,
-           min_shared_prefix: int) -> None:
+           min_shared_prefix: int, keep_glibc_malloc_defaults: bool, store_cache: str) -> None:
     from workers.trainer.engine import TrainerEngine
 
-    engine = TrainerEngine(model_path, max_rank=max_rank, min_shared_prefix=min_shared_prefix)
+    store.use_cache_dir(store_cache)  # the parent's: a spawned child starts with the default
+    engine = TrainerEngine(model_path, max_rank=max_rank, min_shared_prefix=min_shared_prefix,
+                           keep_glibc_malloc_defaults=keep_glibc_malloc_defaults)
     executor = InProcessExecutor(engine, live_dir, max_resident, state_write_interval)
     conn.send(("ready", None))
     while True:
@@ -44,12 +47,14 @@ def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: in
 
 
 class ProcessExecutor:
+    # (contract.executor.Executor)
     engines_restart_with_scheduler = True  # the child ends with this process
 
     def __init__(self, model_path: Path, max_rank: int, live_dir: str | Path, start_timeout: float = 300,
                  max_resident: int = 0, state_write_interval: float = 0.0,
-                 min_shared_prefix: int = MIN_SHARED_TOKENS) -> None:
-        self._args = (str(model_path), max_rank, str(live_dir), max_resident, state_write_interval, min_shared_prefix)
+                 min_shared_prefix: int = MIN_SHARED_TOKENS, keep_glibc_malloc_defaults: bool = False) -> None:
+        self._args = (str(model_path), max_rank, str(live_dir), max_resident, state_write_interval, min_shared_prefix,
+                      keep_glibc_malloc_defaults, str(store.cache_dir()))
         self._start_timeout = start_timeout
         self._lock = threading.Lock()
         self._held: set[str] = set()  # models the current child has run

@@ -1,4 +1,9 @@
-"""Errors the engine reports per request, in the Tinker categories ("user" = the caller's fault)."""
+"""Errors the engine reports per request, in the Tinker categories ("user" = the caller's fault).
+
+An executor answers each as `Outcome.failed(str(error), error.category)` (contract/queue.py); the
+API raises InvalidInputError's checks at the door too, so a bad request fails there with the same
+message the engine would give.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
-"""Executors run a planned cycle on a trainer engine and return one outcome per request.
+"""The executor that runs planned cycles on a trainer engine, one outcome per request.
 
-The scheduler only decides; an executor only executes. `InProcessExecutor` calls the engine in
-this process (embedded mode); the distributed mode sends the same cycle to a Celery worker.
-Payloads are the bodies the API accepted: protobuf for forward/backward, and for the other
-operations a JSON body the API already validated and resolved (checkpoint paths, LoRA config).
+The scheduler only decides; an executor only executes (contract/executor.py is what the scheduler
+sees of one). `InProcessExecutor` calls its engine in the calling process: the embedded server's,
+an engine process's (workers/trainer/process_executor.py) and each Celery trainer worker's
+(workers/celery_worker.py). Payloads are the bodies the API accepted: protobuf for forward/backward,
+and for the other operations a JSON model of contract/payloads.py, already checked and resolved
+(checkpoint paths, LoRA config).
 
 Durability: each adapter's training state is kept in `live_dir` (a folder of the checkpoint store:
-a local path or an fsspec URL, workers/store.py), when and how scheduler/live_state.py says. After
+a local path or an fsspec URL, workers/store.py), when and how workers/trainer/live_state.py says. After
 a restart an adapter is reloaded from there, and the forward_backward and optim_step requests it
 had finished since (their effects were only in memory) are replayed by the scheduler. A stored
 state that fails its integrity check is passed over for the previous one, and `place` reports the
@@ -35,81 +37,45 @@ record goes when the model's next, different request arrives, or when the model 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from loraplex.wire.codec import decode_forward_backward_request, encode_forward_backward_output
-from scheduler.ordering import REJECTED, QueuedRequest
-from scheduler.planner import Cycle, Part
-from scheduler.live_state import LiveStateError, LiveStates
-from workers.trainer.adapters import AdamParams, LoraConfig
-from workers.trainer.batch import Datum, ForwardBackwardInput, ForwardBackwardOutput
+from contract.errors import EngineError, InvalidInputError
+from contract.kinds import RequestKind
+from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
+from contract.queue import Cycle, Job, Outcome
+from loraplex.wire.codec import PROTOBUF, decode_forward_backward_request, encode_forward_backward_output
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.trainer.checkpoints import CheckpointError
+from workers.trainer.batch import EngineOutput
+from workers.trainer.checkpoint_files import CheckpointError
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.errors import EngineError, InvalidInputError
-from workers.trainer.parts import PartProgress, SplitRun
+from workers.trainer.inputs import ForwardBackwardInput, from_wire
+from workers.trainer.live_slots import LiveStateError
+from workers.trainer.live_state import LiveStates
+from workers.trainer.parts import SplitRun
 
 log = logging.getLogger(__name__)
 
-PROTOBUF = "application/x-protobuf"
-JSON = "application/json"
-REPLACES_STATE = ("create_model", "load_weights", REJECTED)  # kinds that run without the model's stored state
+# kinds that run without the model's stored state: they replace it (a rejected one runs nothing)
+REPLACES_STATE = (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS, RequestKind.REJECTED)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    result: bytes | None = None
-    content_type: str | None = None
-    error: dict[str, str] | None = None  # {"error": message, "category": "user" | "server"}
-    checkpoint: dict[str, Any] | None = field(default=None)  # a checkpoint written, for the scheduler to record
-    # a part of a request run in parts went well and more remain: how far it has got (no result yet)
-    progress: PartProgress | None = None
-
-    @classmethod
-    def json(cls, value: dict[str, Any], checkpoint: dict[str, Any] | None = None) -> "Outcome":
-        return cls(json.dumps(value).encode(), JSON, checkpoint=checkpoint)
-
-    @classmethod
-    def failed(cls, message: str, category: str) -> "Outcome":
-        return cls(error={"error": message, "category": category})
-
-
-@dataclass(frozen=True)
-class Job:
-    """A request and its payload."""
-
-    request: QueuedRequest
-    payload: bytes
-    part: Part | None = None  # a forward/forward_backward run in parts: which part (workers/trainer/parts.py)
-
-
-def encoded(result: ForwardBackwardOutput) -> Outcome:
+def encoded(result: EngineOutput) -> Outcome:
     outputs = [{k: v.numpy() for k, v in o.items()} for o in result.loss_fn_outputs]
     return Outcome(encode_forward_backward_output(outputs, result.metrics), PROTOBUF)
 
 
 def engine_input(job: Job) -> ForwardBackwardInput:
-    wire = decode_forward_backward_request(job.payload, None)
-    return ForwardBackwardInput(
-        adapter_id=job.request.model_id,
-        data=[Datum(d.tokens, dict(d.loss_fn_inputs)) for d in wire.data],
-        loss_fn=wire.loss_fn,
-        loss_fn_config=dict(wire.loss_fn_config),
-        forward_only=job.request.kind == "forward",
-    )
+    """The engine's input for a forward/forward_backward job (its payload is the protobuf body)."""
+    return from_wire(decode_forward_backward_request(job.payload, None))
 
 
 class InProcessExecutor:
-    # The executor interface the scheduler uses: run_cycle, durable_seq, place, and this flag
-    # (ProcessExecutor and CeleryExecutor have the same).
+    # (contract.executor.Executor, as ProcessExecutor and CeleryExecutor)
     engines_restart_with_scheduler = True  # a restart loses the in-memory gradients: replay them
 
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0,
@@ -358,7 +324,7 @@ class InProcessExecutor:
         return split.next_input(max_tokens, self.engine.max_pass_tokens, self.engine.min_shared_prefix)
 
     def _optim_steps(self, jobs: list[Job]) -> dict[str, Outcome]:
-        steps = [(job.request.model_id, AdamParams(**json.loads(job.payload)["adam_params"])) for job in jobs]
+        steps = [(job.request.model_id, OptimStepPayload.parse(job.payload).adam_params) for job in jobs]
         outcomes = {}
         for job, result in zip(jobs, self.engine.optim_step(steps)):
             if isinstance(result, EngineError):
@@ -378,33 +344,44 @@ class InProcessExecutor:
             return Outcome.failed(f"{job.request.kind} failed: {e}", "server")
 
     def _other(self, job: Job) -> Outcome:
-        body = json.loads(job.payload)
+        """A request that runs alone: dispatched on its kind, its payload parsed by the kind's model."""
+        match job.request.kind:
+            case RequestKind.CREATE_MODEL:
+                return self._create_model(job, CreateModelPayload.parse(job.payload))
+            case RequestKind.LOAD_WEIGHTS:
+                return self._load_weights(job, LoadWeightsPayload.parse(job.payload))
+            case RequestKind.SAVE_WEIGHTS | RequestKind.SAVE_WEIGHTS_FOR_SAMPLER:
+                return self._save_weights(job, SaveWeightsPayload.parse(job.payload))
+            case RequestKind.REJECTED:  # the scheduler answers these from their recorded error
+                raise EngineError("a rejected request runs nothing; its recorded error is its outcome")
+        raise EngineError(f"{job.request.kind} is not supported by this server yet")
+
+    def _create_model(self, job: Job, body: CreateModelPayload) -> Outcome:
+        model_id = job.request.model_id
+        self.engine.create_adapter(model_id, body.lora_config)
+        self.live.persist(model_id, job.request.seq_id, resets=True)
+        return Outcome.json({"model_id": model_id, "type": job.request.kind})
+
+    def _load_weights(self, job: Job, body: LoadWeightsPayload) -> Outcome:
+        model_id = job.request.model_id
+        try:
+            self.engine.load_state(model_id, body.storage_path, with_optimizer=body.optimizer)
+        except CheckpointError as e:  # named by its tinker:// path: the storage path holds the tenant's id
+            raise CheckpointError(f"{body.tinker_path}: {e}") from None
+        self.live.persist(model_id, job.request.seq_id, resets=True)
+        return Outcome.json({"path": body.tinker_path, "model_id": model_id, "type": job.request.kind})
+
+    def _save_weights(self, job: Job, body: SaveWeightsPayload) -> Outcome:
         model_id, kind = job.request.model_id, job.request.kind
-        if kind == REJECTED:  # only its seq_id passes, nothing runs
-            return Outcome.failed(body["error"], body["category"])
-        if kind == "create_model":
-            self.engine.create_adapter(model_id, LoraConfig(**body["lora_config"]))
-            self.live.persist(model_id, job.request.seq_id, resets=True)
-            return Outcome.json({"model_id": model_id, "type": "create_model"})
-        if kind == "load_weights":
-            try:
-                self.engine.load_state(model_id, body["storage_path"], with_optimizer=body["optimizer"])
-            except CheckpointError as e:  # named by its tinker:// path: the storage path holds the tenant's id
-                raise CheckpointError(f"{body['tinker_path']}: {e}") from None
-            self.live.persist(model_id, job.request.seq_id, resets=True)
-            return Outcome.json({"path": body["tinker_path"], "model_id": model_id, "type": "load_weights"})
-        if kind in ("save_weights", "save_weights_for_sampler"):
-            location = body["storage_path"]
-            if kind == "save_weights":
-                self.engine.save_state(model_id, location)
-            else:
-                self.engine.save_sampler_weights(model_id, location)
-            checkpoint = {k: body.get(k) for k in ("kind", "name", "tinker_path", "ttl_seconds", "user_metadata",
-                                                   "ephemeral")}
-            checkpoint.update(storage_path=location, size_bytes=store.size(location))
-            if body.get("sampling_session_id"):  # ephemeral snapshot for save_weights_and_get_sampling_client
-                result = {"sampling_session_id": body["sampling_session_id"], "type": kind}
-            else:
-                result = {"path": body["tinker_path"], "type": kind}
-            return Outcome.json(result, checkpoint=checkpoint)
-        raise EngineError(f"{kind} is not supported by this server yet")
+        if kind == RequestKind.SAVE_WEIGHTS:
+            self.engine.save_state(model_id, body.storage_path)
+        else:
+            self.engine.save_sampler_weights(model_id, body.storage_path)
+        checkpoint = body.model_dump(include={"kind", "name", "tinker_path", "ttl_seconds", "user_metadata",
+                                              "ephemeral"})
+        checkpoint.update(storage_path=body.storage_path, size_bytes=store.size(body.storage_path))
+        if body.sampling_session_id:  # ephemeral snapshot for save_weights_and_get_sampling_client
+            result = {"sampling_session_id": body.sampling_session_id, "type": kind}
+        else:
+            result = {"path": body.tinker_path, "type": kind}
+        return Outcome.json(result, checkpoint=checkpoint)

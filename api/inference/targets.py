@@ -1,0 +1,96 @@
+"""What a request's `model` names, resolved at every call (so a deleted checkpoint stops serving):
+
+- a sampler checkpoint, `tinker://<run>/sampler_weights/<name>`: the newest save under that name
+  (the caller's own or a published one, as asample resolves it);
+- a **policy alias**, `tinker://<run>/sampler_weights/@latest`: the newest save_weights_for_sampler
+  (named or not) of one of the caller's training runs, so a harness keeps one model name while an
+  RL loop saves new weights ('@' is never part of a checkpoint name, so the alias cannot clash);
+- the base model, by its hub id or an alias (`loraplex/tiny`, `tiny`).
+
+Anything else, and another tenant's unpublished checkpoint or run, is a 404 that leaks nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from fastapi import HTTPException, Request
+from sqlalchemy.orm import Session
+
+from api.inference.errors import InferenceError
+from api.lookups import resolve_checkpoint, served_names, serves
+from api.routes.sampling import _snapshot_version as snapshot_version  # cached per (immutable) folder
+from db.models import Checkpoint, CheckpointKind, TrainingModel
+
+LATEST = "@latest"
+
+
+@dataclass(frozen=True)
+class Target:
+    sampler_path: str | None  # the tinker:// sampler checkpoint that answers; None: the base model
+    adapter_path: str | None  # its snapshot folder (the save current now)
+    policy_version: int | None  # optimizer steps of that snapshot; None: the base model
+
+    @property
+    def version_label(self) -> str:
+        """As asample's sequence ids end: "v3", or "base"."""
+        return "base" if self.policy_version is None else f"v{self.policy_version}"
+
+
+def alias(run_id: str) -> str:
+    return f"tinker://{run_id}/sampler_weights/{LATEST}"
+
+
+def _not_found(message: str) -> InferenceError:
+    return InferenceError(404, message, code="model_not_found")
+
+
+def resolve(request: Request, db: Session, tenant_id: str, model: str) -> Target:
+    if model.startswith("tinker://"):
+        parts = model.removeprefix("tinker://").split("/")
+        if len(parts) == 3 and parts[1] == "sampler_weights" and parts[2] == LATEST:
+            return _latest(db, tenant_id, parts[0], model)
+        try:
+            _, checkpoint = resolve_checkpoint(db, tenant_id, model, "model")
+        except HTTPException as e:
+            raise (_not_found(str(e.detail)) if e.status_code == 404 else e) from None
+        if checkpoint.kind != CheckpointKind.SAMPLER:
+            raise InferenceError(400, "model: sample from sampler weights (tinker://<run>/sampler_weights/<name>), "
+                                      "not a training state")
+        return _snapshot(checkpoint, model)
+    if serves(request, model):
+        return Target(None, None, None)
+    raise _not_found(f"model: no model {model[:200]!r}: name a sampler checkpoint (tinker://<run>/sampler_weights/"
+                     f"<name>), a run's policy alias (tinker://<run>/sampler_weights/{LATEST}) or the base model "
+                     f"{served_names(request)}")
+
+
+def _latest(db: Session, tenant_id: str, run_id: str, model: str) -> Target:
+    run = db.get(TrainingModel, run_id)
+    if run is None or run.tenant_id != tenant_id or run.deleted_at is not None:
+        raise _not_found(f"model: no training run {run_id[:200]!r} for the policy alias {model[:240]!r}")
+    newest = db.scalar(sa.select(Checkpoint).where(
+        Checkpoint.model_id == run_id, Checkpoint.tenant_id == tenant_id, Checkpoint.kind == CheckpointKind.SAMPLER,
+    ).order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc()).limit(1))
+    if newest is None:
+        raise _not_found(f"model: training run {run_id!r} has no save_weights_for_sampler yet")
+    return _snapshot(newest, model)
+
+
+def _snapshot(checkpoint: Checkpoint, model: str) -> Target:
+    version = snapshot_version(checkpoint.storage_path)
+    if version is None:
+        raise _not_found(f"model: the weights of {model[:240]!r} are not saved (yet) or were deleted")
+    return Target(checkpoint.tinker_path, checkpoint.storage_path, version)
+
+
+def listed_models(request: Request, db: Session, tenant_id: str) -> list[str]:
+    """What GET /models lists: the base model, the caller's sampler checkpoints and the policy alias of
+    each of its runs that has one."""
+    rows = db.execute(sa.select(Checkpoint.tinker_path, Checkpoint.model_id).join(
+        TrainingModel, TrainingModel.id == Checkpoint.model_id,
+    ).where(Checkpoint.tenant_id == tenant_id, Checkpoint.kind == CheckpointKind.SAMPLER,
+            TrainingModel.deleted_at.is_(None)).order_by(Checkpoint.created_at)).all()
+    runs = dict.fromkeys(row.model_id for row in rows)
+    return [request.app.state.model_info.name, *(alias(run) for run in runs), *(row.tinker_path for row in rows)]

@@ -1,0 +1,70 @@
+"""The JSON payload of each request kind: what the API stores with the request and the executor reads.
+
+A forward/forward_backward's payload is its protobuf body (loraplex.wire.codec decodes it); a
+sample's is a `SampleJob` (workers/sampler/jobs.py); every other kind's is one of these models.
+The API builds the model and stores `to_bytes()`; the executor `parse`s it back. Fields left unset
+are left out of the bytes, as they were before these models existed, so stored rows of either age
+read the same.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel
+
+from contract.configs import LoraConfig
+from contract.kinds import RequestKind
+from loraplex.types import AdamParams
+
+
+class Payload(BaseModel):
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(exclude_unset=True)).encode()
+
+    @classmethod
+    def parse(cls, raw: bytes):
+        return cls.model_validate_json(raw)
+
+
+class CreateModelPayload(Payload):
+    lora_config: LoraConfig  # resolved: the seed drawn, the defaults filled in
+
+
+class OptimStepPayload(Payload):
+    adam_params: AdamParams  # checked at the door (contract.configs.check_adam_params)
+
+
+class SaveWeightsPayload(Payload):
+    """save_weights and save_weights_for_sampler: where the files go, and the checkpoint the scheduler records."""
+
+    kind: Literal["training_state", "sampler"]  # the checkpoint's (db CheckpointKind)
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+    # an unnamed snapshot for save_weights_and_get_sampling_client: the sampler it serves
+    sampling_session_id: str | None = None
+    ephemeral: bool = False
+    name: str
+    tinker_path: str
+    storage_path: str  # a path or fsspec URL in the checkpoint store
+
+
+class LoadWeightsPayload(Payload):
+    storage_path: str
+    optimizer: bool  # load the Adam moments and step too
+    tinker_path: str  # how errors name the checkpoint (its storage path holds the tenant's id)
+
+
+class RejectedPayload(Payload):
+    """Nothing: a refused request's error is on its row, and the scheduler answers it from there."""
+
+
+JSON_PAYLOADS: dict[RequestKind, type[Payload]] = {
+    RequestKind.CREATE_MODEL: CreateModelPayload,
+    RequestKind.OPTIM_STEP: OptimStepPayload,
+    RequestKind.SAVE_WEIGHTS: SaveWeightsPayload,
+    RequestKind.SAVE_WEIGHTS_FOR_SAMPLER: SaveWeightsPayload,
+    RequestKind.LOAD_WEIGHTS: LoadWeightsPayload,
+    RequestKind.REJECTED: RejectedPayload,
+}
