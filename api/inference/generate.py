@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from api import quotas
 from api.inference.errors import InferenceError
 from api.inference.targets import Target
 from api.routes.futures import FINISHED, RECHECK_SECONDS
+from api.routes.sampling import admit_sample
 from api.submit import submit
 from contract.kinds import RequestKind
 from db.models import Request as RequestRow
@@ -23,7 +23,6 @@ from db.models import new_id
 from loraplex.wire.client import decode_sample_response
 from loraplex.wire.codec import SampledSequenceWire
 from scheduler.notify import Answer
-from scheduler.sampling import SamplerBusy, SamplerUnavailable
 from workers.sampler.jobs import SampleJob, SamplingOptions
 
 # An inference call is answered when its samples are done; past this it is a 504 (the samples finish
@@ -41,13 +40,7 @@ class Generation:
 def _submit(request: Request, tenant_id: str, job: SampleJob) -> None:
     dispatcher = request.app.state.sampling
     with request.app.state.sessions() as db:
-        quotas.check_sampling_tokens(db, tenant_id, len(job.prompt) + job.options.max_tokens * job.num_samples)
-        try:
-            dispatcher.check_capacity()
-        except SamplerBusy as e:
-            raise InferenceError(429, str(e), headers={"Retry-After": "1"}) from None
-        except SamplerUnavailable as e:
-            raise InferenceError(503, str(e)) from None
+        admit_sample(db, dispatcher, tenant_id, len(job.prompt) + job.options.max_tokens * job.num_samples)
         submit(request.app.state.scheduler, db, tenant_id=tenant_id, model_id=None, seq_id=None,
                kind=RequestKind.SAMPLE, payload=job.to_json(), num_tokens=len(job.prompt),
                request_id=job.request_id, dispatch=lambda: dispatcher.submit(job))

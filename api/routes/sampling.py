@@ -166,6 +166,18 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
     raise HTTPException(400, "sampling_session_id: required (or the legacy base_model / model_path)")
 
 
+def admit_sample(db, dispatcher, tenant_id: str, tokens: int) -> None:
+    """A sample of `tokens` tokens (prompt and samples) may go to the sampler: within the tenant's quota
+    (403/429), and the sampler has room (429 with Retry-After) and is up (503). Every sampling route's door."""
+    quotas.check_sampling_tokens(db, tenant_id, tokens)
+    try:
+        dispatcher.check_capacity()
+    except SamplerBusy as e:
+        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+    except SamplerUnavailable as e:
+        raise HTTPException(503, str(e)) from None
+
+
 @router.post("/asample")
 def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     dispatcher = request.app.state.sampling
@@ -189,13 +201,7 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
     options = _options(body.sampling_params, len(prompt), info.max_context, info.vocab_size)
     sid, adapter_path = _target(body, request, tenant.id, db)
     version = policy_version(adapter_path)
-    quotas.check_sampling_tokens(db, tenant.id, len(prompt) + options.max_tokens * body.num_samples)
-    try:
-        dispatcher.check_capacity()
-    except SamplerBusy as e:
-        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-    except SamplerUnavailable as e:
-        raise HTTPException(503, str(e)) from None
+    admit_sample(db, dispatcher, tenant.id, len(prompt) + options.max_tokens * body.num_samples)
     request_id = new_id()
     seq_id = body.seq_id if sid is not None else None  # (sampler, seq_id) dedupes the client's retries
     prefix = f"{sid or request_id}:{seq_id if seq_id is not None else 0}"
