@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 
 step gpu_tests 180 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests
 if "$PYTHON" -c "import vllm" 2>/dev/null; then
-  step vllm_tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider tests/workers/test_sampler_vllm.py
+  step vllm_tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider tests/workers/sampler/test_sampler_vllm.py
   step sampler_benchmark 150 "$PYTHON" benchmarks/sampler_multilora.py --device cuda --results "$OUT/sampler_multilora.md"
 else
   echo "gpu_check: vLLM is not installed for $PYTHON: the GPU sampler tests and benchmark did not run" | tee "$OUT/vllm_tests.txt"

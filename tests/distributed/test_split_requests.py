@@ -5,20 +5,24 @@ applying it twice."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import redis
-import tinker
-from tinker import types
 
 from loraplex.types import AdamParams
-from loraplex.wire.client import decode_forward_backward_output
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.service.test_scheduling import PROTOBUF, http_client, proto_body, wait_result
-from tests.service.test_split_requests import LR, cycles_of, engine_data, reference, rows, sdk_data
+from tests.service.test_split_requests import (
+    LR,
+    assert_same_output,
+    engine_data,
+    queue_a_request_in_parts,
+    reference,
+    rows,
+    sdk_data,
+)
 from workers.trainer.inputs import ForwardBackwardInput
 
 REDIS_URL = "redis://127.0.0.1:6379/10"
@@ -43,21 +47,7 @@ def test_a_scheduler_restart_halfway_through_a_request_in_parts_neither_repeats_
     warm, more, big, probe = rows(7, 1, 2), rows(8, 1, 3), rows(9), rows(10, 1, 2)
     first = ServerThread(deployment)
     try:
-        key = first.new_tenant()
-        tc = tinker.ServiceClient(base_url=first.base_url, api_key=key) \
-            .create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
-        tc.forward_backward(sdk_data(warm), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=LR)).result()
-        tc.forward_backward(sdk_data(more), "cross_entropy").result()  # a gradient in the worker's memory
-        first.embedded.scheduler.stop()
-        with http_client(first, key) as http:
-            big_id = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 4, sdk_data(big)),
-                               headers=PROTOBUF).json()["request_id"]
-            step_id = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 5,
-                                                            "adam_params": {"learning_rate": LR}}).json()["request_id"]
-        for _ in range(2):
-            assert first.embedded.scheduler.step()  # two parts run on the worker, more remain
-        assert len(cycles_of(first, big_id)) == 2
+        key, model_id, big_id, step_id = queue_a_request_in_parts(first, warm, more, big)  # two parts on the worker
     finally:
         first.stop()
 
@@ -67,25 +57,19 @@ def test_a_scheduler_restart_halfway_through_a_request_in_parts_neither_repeats_
             result = wait_result(http, big_id)
             assert "metrics" in wait_result(http, step_id).json()
             # the weights after that step, read through a forward_backward of other data
-            probe_id = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 6, sdk_data(probe)),
+            probe_id = http.post("/api/v1/forward_backward", content=proto_body(model_id, 6, sdk_data(probe)),
                                  headers=PROTOBUF).json()["request_id"]
             probed = wait_result(http, probe_id).content
     finally:
         second.stop()
 
-    engine = reference(tiny_model_path, second, tc.model_id)  # (its database is still there)
-    engine.forward_backward([ForwardBackwardInput(tc.model_id, engine_data(warm))])
-    engine.optim_step([(tc.model_id, AdamParams(learning_rate=LR))])
-    engine.forward_backward([ForwardBackwardInput(tc.model_id, engine_data(more))])
-    expected_big = engine.forward_backward([ForwardBackwardInput(tc.model_id, engine_data(big))])[0]
-    engine.optim_step([(tc.model_id, AdamParams(learning_rate=LR))])
-    expected_probe = engine.forward_backward([ForwardBackwardInput(tc.model_id, engine_data(probe))])[0]
-    outputs, metrics, _ = decode_forward_backward_output(result.content)
-    assert metrics == expected_big.metrics
-    for got, want in zip(outputs, expected_big.loss_fn_outputs, strict=True):
-        assert np.array_equal(got["logprobs"], want["logprobs"].numpy())
+    engine = reference(tiny_model_path, second, model_id)  # (its database is still there)
+    engine.forward_backward([ForwardBackwardInput(model_id, engine_data(warm))])
+    engine.optim_step([(model_id, AdamParams(learning_rate=LR))])
+    engine.forward_backward([ForwardBackwardInput(model_id, engine_data(more))])
+    expected_big = engine.forward_backward([ForwardBackwardInput(model_id, engine_data(big))])[0]
+    engine.optim_step([(model_id, AdamParams(learning_rate=LR))])
+    expected_probe = engine.forward_backward([ForwardBackwardInput(model_id, engine_data(probe))])[0]
+    assert_same_output(result.content, expected_big)
     # the weights after the step: had a part run twice (or been lost), the step's gradient would differ
-    probe_outputs, probe_metrics, _ = decode_forward_backward_output(probed)
-    assert probe_metrics == expected_probe.metrics
-    for got, want in zip(probe_outputs, expected_probe.loss_fn_outputs, strict=True):
-        assert np.array_equal(got["logprobs"], want["logprobs"].numpy())
+    assert_same_output(probed, expected_probe)

@@ -89,6 +89,36 @@ def assert_same_adapter(server: ServerThread, engine: TrainerEngine, model_id: s
         assert torch.equal(served.adam_state[name], moment), name
 
 
+def queue_a_request_in_parts(server: ServerThread, warm, more, big) -> tuple[str, str, str, str]:
+    """A model trained a step on `warm`, with `more`'s gradient only in memory (seq 3); then `big`
+    (seq 4) and an optim_step (seq 5) queued with the scheduler stopped, which runs two cycles here:
+    two parts of `big` ran, more remain. Returns the tenant's key, the model and the two requests."""
+    key = server.new_tenant()
+    tc = tinker.ServiceClient(base_url=server.base_url, api_key=key) \
+        .create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    tc.forward_backward(sdk_data(warm), "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+    tc.forward_backward(sdk_data(more), "cross_entropy").result()
+    server.embedded.scheduler.stop()
+    with http_client(server, key) as http:
+        big_id = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 4, sdk_data(big)),
+                           headers=PROTOBUF).json()["request_id"]
+        step_id = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 5,
+                                                        "adam_params": {"learning_rate": LR}}).json()["request_id"]
+    for _ in range(2):
+        assert server.embedded.scheduler.step()
+    assert len(cycles_of(server, big_id)) == 2
+    return key, tc.model_id, big_id, step_id
+
+
+def assert_same_output(body: bytes, expected) -> None:
+    """A forward_backward answer (protobuf) has the bits of the engine's output `expected`."""
+    outputs, metrics, _ = decode_forward_backward_output(body)
+    assert metrics == expected.metrics
+    for got, want in zip(outputs, expected.loss_fn_outputs, strict=True):
+        assert np.array_equal(got["logprobs"], want["logprobs"].numpy())
+
+
 def test_a_large_request_runs_in_parts_with_the_bits_of_the_whole(tmp_path, tiny_model_path):
     warm, big = rows(0, groups=1, group_size=2), rows(1)
     with server_at(tmp_path) as server:
@@ -148,21 +178,7 @@ def test_a_restart_halfway_through_a_request_in_parts_applies_every_part_once(tm
     warm, more, big = rows(4, groups=1, group_size=2), rows(5, groups=1, group_size=3), rows(6)
     first = ServerThread(settings(tmp_path))
     try:
-        key = first.new_tenant()
-        tc = tinker.ServiceClient(base_url=first.base_url, api_key=key) \
-            .create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
-        tc.forward_backward(sdk_data(warm), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=LR)).result()
-        tc.forward_backward(sdk_data(more), "cross_entropy").result()  # seq 3: a gradient only in memory
-        first.embedded.scheduler.stop()
-        with http_client(first, key) as http:
-            big_id = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 4, sdk_data(big)),
-                               headers=PROTOBUF).json()["request_id"]
-            step_id = http.post("/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 5,
-                                                            "adam_params": {"learning_rate": LR}}).json()["request_id"]
-        for _ in range(2):
-            assert first.embedded.scheduler.step()
-        assert len(cycles_of(first, big_id)) == 2  # two parts ran; more remain
+        key, model_id, big_id, step_id = queue_a_request_in_parts(first, warm, more, big)
     finally:
         first.stop()
     with first.embedded.sessions() as s:
@@ -173,16 +189,13 @@ def test_a_restart_halfway_through_a_request_in_parts_applies_every_part_once(tm
         with http_client(second, key) as http:
             result = wait_result(http, big_id)
             assert "metrics" in wait_result(http, step_id).json()
-        engine = reference(tiny_model_path, second, tc.model_id)
+        engine = reference(tiny_model_path, second, model_id)
         for data in (warm, more, big):
-            expected = engine.forward_backward([ForwardBackwardInput(tc.model_id, engine_data(data))])[0]
+            expected = engine.forward_backward([ForwardBackwardInput(model_id, engine_data(data))])[0]
             if data is not more:
-                engine.optim_step([(tc.model_id, AdamParams(learning_rate=LR))])
-        assert_same_adapter(second, engine, tc.model_id)  # each part's gradient applied exactly once
-        outputs, metrics, _ = decode_forward_backward_output(result.content)
-        assert metrics == expected.metrics
-        for got, want in zip(outputs, expected.loss_fn_outputs, strict=True):
-            assert np.array_equal(got["logprobs"], want["logprobs"].numpy())
+                engine.optim_step([(model_id, AdamParams(learning_rate=LR))])
+        assert_same_adapter(second, engine, model_id)  # each part's gradient applied exactly once
+        assert_same_output(result.content, expected)
         assert len(cycles_of(second, big_id)) >= 3  # in parts again, from the first
     finally:
         second.stop()
@@ -226,8 +239,5 @@ def test_parts_that_died_with_the_engine_process_run_again_from_the_first_datum(
     expected = engine.forward_backward([ForwardBackwardInput(big_tc.model_id, engine_data(big))])[0]
     engine.optim_step([(big_tc.model_id, AdamParams(learning_rate=LR))])
     expected_probe = engine.forward_backward([ForwardBackwardInput(big_tc.model_id, engine_data(probe))])[0]
-    for body, want in ((result.content, expected), (probed, expected_probe)):
-        outputs, metrics, _ = decode_forward_backward_output(body)
-        assert metrics == want.metrics
-        for got, w in zip(outputs, want.loss_fn_outputs, strict=True):
-            assert np.array_equal(got["logprobs"], w["logprobs"].numpy())
+    assert_same_output(result.content, expected)
+    assert_same_output(probed, expected_probe)

@@ -14,7 +14,7 @@ Weight layouts (vLLM): lora_a_stacked[i] [max_loras, 1, rank, in], lora_b_stacke
 [max_loras, 1, out, rank], both zero-padded to max_lora_rank.
 
 What this relies on in vLLM beyond the wrapper's interface (each guarded by a test in
-tests/workers/test_sampler_vllm.py that names it when it breaks, and by `VERIFIED_WITH_VLLM`):
+tests/workers/sampler/test_sampler_vllm.py that names it when it breaks, and by `VERIFIED_WITH_VLLM`):
 - a layer passes the same stacked weight tensors on every step, and a slot's weights change only
   when `lora_index_to_id` changes (the per-layer weight caches);
 - sampling's logits input is a tensor of its own with one row per `sampler_indices` entry, while

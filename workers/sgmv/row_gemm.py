@@ -2,7 +2,7 @@
 
 Batch invariance needs each token row's result to depend on that row alone. MKL's sgemm gives
 it for most shapes, with two exceptions (measured on torch 2.13's MKL 2024.2, AVX512, for every
-product the trainer computes: base layers, LoRA shrink, expand, dV, dX; tests/workers/
+product the trainer computes: base layers, LoRA shrink, expand, dV, dX; tests/workers/trainer/
 test_batch_invariance.py probes them):
 - few rows: M <= 3 takes other kernels (gemv for M = 1), and on T threads MKL cuts the rows into
   per-thread blocks, a block of fewer than 4 rows again taking another kernel (on 2 threads

@@ -158,6 +158,14 @@ def test_prompt_logprobs_of_mixed_batches_equal_peft(engine, snapshots, peft_mod
         assert got[1:] == pytest.approx(expected, abs=1e-4), name
 
 
+@pytest.fixture(scope="module")
+def child():
+    """A spawned process for engines beside this process's own (vLLM allows one engine per process
+    at a time), one after another: vLLM loads there once for the tests below."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
 def stock_ops_tokens(model_path, jobs: list[SampleJob]) -> dict[str, list[int]]:
     """Greedy tokens from an engine with vLLM's own CPU LoRA ops (run in a child process: vLLM
     allows one engine per process at a time)."""
@@ -168,12 +176,11 @@ def stock_ops_tokens(model_path, jobs: list[SampleJob]) -> dict[str, list[int]]:
         engine.close()
 
 
-def test_segmented_lora_ops_give_the_tokens_of_vllms_own_ops(tiny_model_path, snapshots, engine):
+def test_segmented_lora_ops_give_the_tokens_of_vllms_own_ops(tiny_model_path, snapshots, engine, child):
     """Same adapters, LoRA-only batch (vLLM's own CPU ops leak adapters into base rows, so no base here)."""
     jobs = [job(f"{name}-{i}", path) for i in range(2) for name, path in snapshots.items()]
     ours = run(engine, jobs)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        stock = pool.submit(stock_ops_tokens, tiny_model_path, jobs).result(timeout=600)
+    stock = child.submit(stock_ops_tokens, tiny_model_path, jobs).result(timeout=600)
     for j in jobs:
         assert ours[j.request_id].sequences[0].tokens == stock[j.request_id]
 
@@ -184,7 +191,7 @@ def dense_and_segmented_tokens(model_path, jobs: list[SampleJob]) -> tuple[dict,
     from workers.sampler import dense_lora
 
     calls = 0
-    add = dense_lora.DenseLoRA.add_
+    add, max_rows = dense_lora.DenseLoRA.add_, dense_lora.DENSE_MAX_ROWS
 
     def counted_add(self, *args):
         nonlocal calls
@@ -204,13 +211,13 @@ def dense_and_segmented_tokens(model_path, jobs: list[SampleJob]) -> tuple[dict,
         return dense, {k.rstrip("'"): v for k, v in segmented.items()}, calls
     finally:
         engine.close()
+        dense_lora.DenseLoRA.add_, dense_lora.DENSE_MAX_ROWS = add, max_rows  # the child runs other engines
 
 
 @pytest.mark.skipif(not dense_lora.available(torch.bfloat16), reason="no AMX or AVX512-BF16 GEMM kernel here")
-def test_dense_decode_path_gives_the_tokens_of_the_segmented_path_in_bf16(tiny_model_path, snapshots):
+def test_dense_decode_path_gives_the_tokens_of_the_segmented_path_in_bf16(tiny_model_path, snapshots, child):
     jobs = [job(f"{name}-{i}", path) for i in range(2) for name, path in (snapshots | {"base": None}).items()]
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        dense, segmented, dense_calls = pool.submit(dense_and_segmented_tokens, tiny_model_path, jobs).result(timeout=600)
+    dense, segmented, dense_calls = child.submit(dense_and_segmented_tokens, tiny_model_path, jobs).result(timeout=600)
     assert dense_calls > 0
     assert dense == segmented
 

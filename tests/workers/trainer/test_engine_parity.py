@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.peft_reference import (
+from tests.workers.trainer.peft_reference import (
     peft_model_like,
     peft_param_name,
     random_datum,

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from contract.configs import LoraConfig
 from loraplex.types import AdamParams
-from tests.workers.peft_reference import random_datum
+from tests.workers.trainer.peft_reference import random_datum
 from workers.trainer.checkpoint_files import CheckpointError, read_snapshot_metadata
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import EngineDatum, ForwardBackwardInput

@@ -16,7 +16,7 @@ from contract.errors import InvalidInputError
 from loraplex.types import AdamParams
 from loraplex.wire.codec import DatumWire, ProvenanceSpanWire
 from scheduler.stability import Recorded, recorded_inputs
-from tests.workers.peft_reference import stable_reinforce_reference
+from tests.workers.trainer.peft_reference import stable_reinforce_reference
 from workers.trainer.batch import prepare_request
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import EngineDatum, ForwardBackwardInput

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from contract.configs import LoraConfig
-from tests.workers.peft_reference import random_datum, rel_err
-from tests.workers.test_engine_parity import spy_on_stacked_passes
+from tests.workers.trainer.peft_reference import random_datum, rel_err
+from tests.workers.trainer.test_engine_parity import spy_on_stacked_passes
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.stacked_adapters import StackedAdapters

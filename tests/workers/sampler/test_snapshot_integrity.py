@@ -1,6 +1,6 @@
 """Sampler snapshots carry a SHA-256 manifest; the sampler's check before vLLM loads one refuses
 a corrupt file (naming it) and tells diverged weights (the manifest verifies) from a corrupt file
-holding NaN (it does not). vLLM itself: tests/workers/test_sampler_snapshot_integrity.py."""
+holding NaN (it does not). vLLM itself: tests/workers/sampler/test_sampler_snapshot_integrity.py."""
 
 from __future__ import annotations
 

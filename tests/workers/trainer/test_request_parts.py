@@ -9,8 +9,8 @@ import torch
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
 from loraplex.types import AdamParams
-from tests.workers.peft_reference import random_datum
-from tests.workers.test_shared_prefix import VOCAB, add_adapter, rl_group
+from tests.workers.trainer.peft_reference import random_datum
+from tests.workers.trainer.test_shared_prefix import VOCAB, add_adapter, rl_group
 from workers.trainer.batch import prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import ForwardBackwardInput

@@ -7,7 +7,7 @@ import torch
 
 from contract.configs import LoraConfig
 from service.settings import Settings
-from tests.workers.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
+from tests.workers.trainer.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
 from workers.trainer.batch import pack, prepare_request
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import EngineDatum, ForwardBackwardInput

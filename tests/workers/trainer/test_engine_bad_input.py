@@ -10,7 +10,7 @@ import torch
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
 from loraplex.types import AdamParams
-from tests.workers.peft_reference import random_datum
+from tests.workers.trainer.peft_reference import random_datum
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from contract.configs import LoraConfig
 from contract.errors import EngineError
 from loraplex.types import AdamParams
-from tests.workers.test_sampler_vllm import job, run, start_engine
-from tests.workers.test_snapshot_integrity import WEIGHTS, rewrite_tensor
+from tests.workers.sampler.test_sampler_vllm import job, run, start_engine
+from tests.workers.sampler.test_snapshot_integrity import WEIGHTS, rewrite_tensor
 from workers.compute_thread import ComputeThread
 from workers.sampler.jobs import SampleResult
 from workers.trainer.engine import TrainerEngine

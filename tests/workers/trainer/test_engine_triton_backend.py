@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from contract.configs import LoraConfig
-from tests.workers.peft_reference import random_datum, rel_err
+from tests.workers.trainer.peft_reference import random_datum, rel_err
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.inputs import ForwardBackwardInput
 
