@@ -4,24 +4,33 @@ later; read back as `loraplex.rollouts` types, from which training datums are bu
 
 Token ids are stored as int32 and logprobs as float32 bytes (little-endian), as recorded_sequences
 holds them. Every query is scoped to one tenant: another tenant's trajectory is one that does not exist.
+
+Retention (the tenant's quota row, set by `loraplex-admin quotas set`): trajectories untouched for
+`rollout_ttl_seconds` are deleted by the janitor (`prune_expired`); past `max_rollout_bytes` a new
+recording is refused with a 403 naming the quota. Refusing, not evicting the oldest, is what the
+checkpoint quota does, and for the same reason: nothing a tenant stored disappears except by its TTL
+or its own delete, so an RL loop never loses trajectories it has not read yet.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Sequence
 
 import numpy as np
 import sqlalchemy as sa
+from fastapi import HTTPException
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from db.models import RolloutSample, RolloutTrajectory, RolloutTurn, new_id, utcnow
+from db.models import Quota, RolloutSample, RolloutTrajectory, RolloutTurn, new_id, utcnow
 from loraplex.rollouts import RolloutSample as SampleOut
 from loraplex.rollouts import RolloutTurn as TurnOut
 from loraplex.rollouts import Trajectory, TrajectorySummary
 
+_DELETE_BATCH = 500  # ids per DELETE ... IN (...): well under SQLite's bound on parameters
 _INSERT_TRIES = 5  # concurrent calls of one session race for the next turn number; the loser takes the one after
 
 
@@ -67,11 +76,46 @@ def _iso(dt: datetime | None) -> str | None:
     return dt.isoformat().replace("+00:00", "Z") if dt else None
 
 
+class RolloutQuotaExceeded(HTTPException):
+    """An HTTPException so every inference route (api/inference/) answers it as a 403 in its own error
+    shape, worded as api/quotas.py words the checkpoint quota's refusal."""
+
+    def __init__(self, limit: int, used: int) -> None:
+        super().__init__(403, f"quota max_rollout_bytes={limit} would be exceeded: {used} bytes of rollouts "
+                              "stored; delete trajectories (DELETE /rollouts/trajectories/{session_id}) or "
+                              "wait for the rollout TTL")
+
+
+def stored_bytes(s: Session, tenant_id: str) -> int:
+    return int(s.scalar(sa.select(sa.func.coalesce(sa.func.sum(RolloutTrajectory.size_bytes), 0))
+                        .where(RolloutTrajectory.tenant_id == tenant_id)))
+
+
+def check_quota(s: Session, tenant_id: str) -> None:
+    """Refuse a new recording once the tenant's rollouts reach max_rollout_bytes (checked like
+    max_checkpoint_bytes: the store may pass the limit by one recording, never by more)."""
+    quota = s.get(Quota, tenant_id)
+    if quota is None or quota.max_rollout_bytes is None:
+        return
+    used = stored_bytes(s, tenant_id)
+    if used >= quota.max_rollout_bytes:
+        raise RolloutQuotaExceeded(quota.max_rollout_bytes, used)
+
+
+def _turn_bytes(new: NewTurn) -> int:
+    """What a turn adds to the store: its token and logprob arrays and the request and response as JSON."""
+    arrays = 4 * (len(new.prompt) + sum(2 * len(c.tokens) for c in new.choices))
+    bodies = len(json.dumps(new.request_body)) + len(json.dumps(new.response_body))
+    return arrays + bodies
+
+
 def record_turn(sessions: sessionmaker[Session], tenant_id: str, session_id: str | None,
                 turn: NewTurn) -> tuple[str, int]:
     """Store a call as the next turn of the tenant's trajectory `session_id` (created on first use; a
     new one named by a fresh id when None). Returns (session id, turn number)."""
     session_id = session_id or new_id()
+    with sessions() as s:
+        check_quota(s, tenant_id)
     for attempt in range(_INSERT_TRIES):
         with sessions() as s:
             try:
@@ -103,6 +147,7 @@ def _insert(s: Session, tenant_id: str, session_id: str, new: NewTurn) -> int:
     s.add_all(RolloutSample(turn_id=new.id, choice=i, tokens=_i32(c.tokens), logprobs=_f32(c.logprobs),
                             finish_reason=c.finish_reason) for i, c in enumerate(new.choices))
     trajectory.updated_at = now
+    trajectory.size_bytes = (trajectory.size_bytes or 0) + _turn_bytes(new)
     s.commit()
     return number
 
@@ -177,9 +222,34 @@ def delete_trajectory(s: Session, tenant_id: str, session_id: str) -> bool:
     row = _trajectory_row(s, tenant_id, session_id)
     if row is None:
         return False
-    turn_ids = sa.select(RolloutTurn.id).where(RolloutTurn.trajectory_id == row.id).scalar_subquery()
-    s.execute(sa.delete(RolloutSample).where(RolloutSample.turn_id.in_(turn_ids)))
-    s.execute(sa.delete(RolloutTurn).where(RolloutTurn.trajectory_id == row.id))
-    s.delete(row)
+    _delete_rows(s, [row.id])
     s.commit()
     return True
+
+
+def _delete_rows(s: Session, trajectory_ids: list[str]) -> None:
+    """Trajectories with their turns and samples (the caller commits)."""
+    turn_ids = sa.select(RolloutTurn.id).where(RolloutTurn.trajectory_id.in_(trajectory_ids)).scalar_subquery()
+    s.execute(sa.delete(RolloutSample).where(RolloutSample.turn_id.in_(turn_ids)))
+    s.execute(sa.delete(RolloutTurn).where(RolloutTurn.trajectory_id.in_(trajectory_ids)))
+    s.execute(sa.delete(RolloutTrajectory).where(RolloutTrajectory.id.in_(trajectory_ids)))
+
+
+def prune_expired(s: Session, now: datetime) -> int:
+    """Every tenant's trajectories untouched (no turn, no reward) for its rollout_ttl_seconds, deleted
+    (the caller commits). An agent still running keeps its trajectory: each turn renews it."""
+    deleted = 0
+    for tenant_id, ttl in s.execute(sa.select(Quota.tenant_id, Quota.rollout_ttl_seconds)
+                                    .where(Quota.rollout_ttl_seconds.is_not(None))).all():
+        expired = s.scalars(sa.select(RolloutTrajectory.id).where(
+            RolloutTrajectory.tenant_id == tenant_id,
+            RolloutTrajectory.updated_at <= now - timedelta(seconds=ttl))).all()
+        for start in range(0, len(expired), _DELETE_BATCH):
+            _delete_rows(s, list(expired[start:start + _DELETE_BATCH]))
+        deleted += len(expired)
+    return deleted
+
+
+def last_proxy_use(s: Session, adapter_path: str) -> datetime | None:
+    """When the inference API last recorded a call answered by this snapshot folder (None: never)."""
+    return s.scalar(sa.select(sa.func.max(RolloutTurn.created_at)).where(RolloutTurn.adapter_path == adapter_path))

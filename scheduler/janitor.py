@@ -1,12 +1,16 @@
-"""Storage that outlived its use goes away by itself: expired checkpoints and ephemeral snapshots.
+"""Storage that outlived its use goes away by itself: expired checkpoints, ephemeral snapshots, rollouts.
 
 - A checkpoint whose TTL passed is deleted (files and record).
 - Recorded sampled sequences (stable_reinforce, scheduler/stability.py) past their day go.
+- Rollout-store trajectories (db/rollouts.py) untouched for their tenant's `rollout_ttl_seconds` go,
+  turns and samples with them.
 - An ephemeral sampler snapshot (`save_weights_and_get_sampling_client()`: saved without a name)
   is deleted once a newer ephemeral snapshot of its model exists and nothing sampled it for
-  `grace_seconds`. An RL loop makes one per step and samples only the newest (or, async, the
-  last few): a run of a thousand steps keeps a handful, not a thousand. Its sampler then answers
-  404 naming the expiry. Deleted snapshots no longer count against the storage quota.
+  `grace_seconds` (through a sampling client or through the inference API, api/inference/: an
+  agent sampling a snapshot by its path keeps it). An RL loop makes one per step and samples only
+  the newest (or, async, the last few): a run of a thousand steps keeps a handful, not a thousand.
+  Its sampler then answers 404 naming the expiry. Deleted snapshots no longer count against the
+  storage quota.
 
 One thread per scheduler process sweeps every `interval_seconds`; `loraplex-admin checkpoints
 prune-expired` runs the same sweep once.
@@ -21,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from db import rollouts
 from db.models import Checkpoint, Request, Sampler, utcnow
 from scheduler import stability
 from workers import store
@@ -64,6 +69,9 @@ def prune_ephemeral(s: Session, now: datetime, grace_seconds: float) -> int:
             if samplers else None
         if last_sample is not None and _aware(last_sample) > cutoff:
             continue
+        last_proxy_use = rollouts.last_proxy_use(s, row.storage_path)  # its calls have no sampler row
+        if last_proxy_use is not None and _aware(last_proxy_use) > cutoff:
+            continue
         delete_checkpoint(s, row)
         deleted += 1
     return deleted
@@ -73,11 +81,12 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=UTC)  # an aggregate may come back naive
 
 
-def sweep(sessions: sessionmaker[Session], grace_seconds: float) -> tuple[int, int]:
-    """(expired checkpoints, ephemeral snapshots) deleted; expired recorded sequences go too."""
+def sweep(sessions: sessionmaker[Session], grace_seconds: float) -> tuple[int, int, int]:
+    """(expired checkpoints, ephemeral snapshots, expired rollout trajectories) deleted; expired
+    recorded sequences go too."""
     with sessions() as s:
         now = utcnow()
-        counts = prune_expired(s, now), prune_ephemeral(s, now, grace_seconds)
+        counts = prune_expired(s, now), prune_ephemeral(s, now, grace_seconds), rollouts.prune_expired(s, now)
         stability.prune_expired(s, now)
         s.commit()
     return counts
@@ -92,9 +101,10 @@ class Janitor:
     def run(self) -> None:
         while not self._stop.wait(self.interval_seconds):
             try:
-                expired, ephemeral = sweep(self.sessions, self.grace_seconds)
-                if expired or ephemeral:
-                    log.info("deleted %d expired checkpoints and %d ephemeral snapshots", expired, ephemeral)
+                expired, ephemeral, trajectories = sweep(self.sessions, self.grace_seconds)
+                if expired or ephemeral or trajectories:
+                    log.info("deleted %d expired checkpoints, %d ephemeral snapshots and %d expired rollout "
+                             "trajectories", expired, ephemeral, trajectories)
             except Exception:  # e.g. the database or the store is unreachable: try again next time
                 log.exception("janitor sweep failed")
 

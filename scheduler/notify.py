@@ -6,6 +6,10 @@ checks the database, so a result stored between the check and the wait is never 
 In one process the notifier also hands over the stored answer, so the woken long-poll answers
 without reading it back from the database. The answer is given only after it was committed: what
 a client sees has survived a restart.
+
+A streaming call also follows a request's progress: a `Feed` gets each engine step's new tokens
+(`progress`, from the engine thread) and then the finish, in that order, registered like a watch
+before the request is submitted so no step is missed.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 
 @dataclass(frozen=True)
@@ -45,19 +49,36 @@ class Watch:
         self.finished.set()
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A feed's last item: the request finished; `answer` is its committed outcome when known."""
+
+    answer: Answer | None
+
+
+class Feed:
+    """One streaming call's view of one request: lists of deltas (workers/sampler/jobs.py SampleDelta)
+    in the order the engine made them, then `Finished`."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[list[Any] | Finished] = asyncio.Queue()
+
+    def wake(self, answer: Answer | None) -> None:
+        self.items.put_nowait(Finished(answer))
+
+
 class Notifier:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, Watch]]] = defaultdict(list)
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, Watch | Feed]]] = defaultdict(list)
 
     @contextmanager
-    def watch(self, request_id: str) -> Iterator[Watch]:
-        watch = Watch()
-        entry = (asyncio.get_running_loop(), watch)
+    def _registered(self, request_id: str, waiter):
+        entry = (asyncio.get_running_loop(), waiter)
         with self._lock:
             self._waiters[request_id].append(entry)
         try:
-            yield watch
+            yield waiter
         finally:
             with self._lock:
                 waiters = self._waiters.get(request_id, [])
@@ -66,9 +87,22 @@ class Notifier:
                 if not waiters:
                     self._waiters.pop(request_id, None)
 
+    def watch(self, request_id: str) -> ContextManager[Watch]:
+        return self._registered(request_id, Watch())
+
+    def feed(self, request_id: str) -> ContextManager[Feed]:
+        return self._registered(request_id, Feed())
+
     def notify(self, request_id: str, answer: Answer | None = None) -> None:
         """`request_id` finished; `answer` (if known) is its committed outcome."""
         with self._lock:
             waiters = list(self._waiters.get(request_id, []))
-        for loop, watch in waiters:
-            loop.call_soon_threadsafe(watch.wake, answer)
+        for loop, waiter in waiters:
+            loop.call_soon_threadsafe(waiter.wake, answer)
+
+    def progress(self, request_id: str, deltas: list[Any]) -> None:
+        """New tokens of `request_id` (from any thread): to its feeds, in order, before its `notify`."""
+        with self._lock:
+            feeds = [(loop, w) for loop, w in self._waiters.get(request_id, []) if isinstance(w, Feed)]
+        for loop, feed in feeds:
+            loop.call_soon_threadsafe(feed.items.put_nowait, deltas)

@@ -6,7 +6,8 @@ snapshot folder), so its LoRA stays loaded there; base-model jobs spread by requ
 waits here while no sampler worker is alive (e.g. still starting). Jobs travel to the worker
 through Redis under a fresh key; outcomes come back on the base model's done list. A sample applies no
 state, so when its worker dies (its registration expires) the job is sent to another worker, up
-to `max_attempts` times, then it fails with category "server".
+to `max_attempts` times, then it fails with category "server". A streaming job is not resent (its
+caller already has part of the lost run's tokens): it fails.
 """
 
 from __future__ import annotations
@@ -136,7 +137,10 @@ class RemoteSamplerEngine:
             for dispatch in lost:
                 del self._sent[dispatch.job.request_id]
         for dispatch in lost:
-            if dispatch.attempts >= self.max_attempts:
+            if dispatch.job.stream:  # its caller has tokens of the lost run already: a new run cannot go on from them
+                self._finish(dispatch, EngineError(
+                    f"sampler worker {dispatch.worker_id} was lost while streaming; a streamed sample is not resent"))
+            elif dispatch.attempts >= self.max_attempts:
                 self._finish(dispatch, EngineError(
                     f"sampler worker {dispatch.worker_id} was lost while sampling (tried {dispatch.attempts} times)"))
             else:

@@ -9,6 +9,8 @@ engine batches every job in flight. Each outcome goes back through Redis: stored
 request's outcome key, its request id pushed onto the base model's done list. Snapshot folders are read from
 the shared data dir. The worker registers itself (base model, queue, samples in flight) and
 beats like a trainer worker; a dead one's jobs are sent to another sampler by the scheduler.
+A streaming job's new tokens are published as the engine makes them, straight to the API replicas,
+and a job an API replica aborts (its caller went away) is stopped (workers/sampler/stream_channels.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from workers.celery_app import (
     RESULT_TTL_SECONDS, SAMPLE_TASK, make_worker_app, register_worker, sample_done_key, sample_outcome_key,
     sampler_key,
 )
+from workers.sampler.stream_channels import abort_channel, encode_deltas, keep_listening, stream_channel
 
 _state: dict = {}  # settings, client (make_worker_app), engine, ...
 app = make_worker_app(Settings, _state)  # reads the settings when the worker starts, not on import
@@ -44,10 +47,15 @@ def _start(sender=None, **_) -> None:
         "pending": engine.pending, "ready": engine.ready.is_set(),
         "failed": None if engine.failed is None else str(engine.failed)}, settings.worker_id)
     _state.update(engine=engine, worker_id=worker_id, done_key=sample_done_key(info.name))
+    aborts = _state["client"].pubsub(ignore_subscribe_messages=True)
+    aborts.subscribe(**{abort_channel(info.name): lambda message: engine.abort(message["data"].decode())})
+    _state["aborts"] = aborts.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=keep_listening)
 
 
 @signals.worker_shutdown.connect
 def _stop(**_) -> None:
+    if "aborts" in _state:
+        _state["aborts"].stop()
     if "engine" in _state:
         _state["engine"].close()
 
@@ -57,6 +65,11 @@ def _done(request_id: str, outcome) -> None:
     client = _state["client"]
     client.set(sample_outcome_key(request_id), pickle.dumps(outcome), ex=RESULT_TTL_SECONDS)
     client.rpush(_state["done_key"], json.dumps({"request_id": request_id, "worker_id": _state["worker_id"]}))
+
+
+def _progress(request_id: str, deltas) -> None:
+    """Engine thread: a streaming job's new tokens to the API replicas."""
+    _state["client"].publish(stream_channel(request_id), encode_deltas(deltas))
 
 
 @app.task(name=SAMPLE_TASK)
@@ -72,4 +85,4 @@ def sample(job_key: str) -> None:
     if engine.failed is not None:
         _done(job.request_id, EngineError(f"the sampler engine failed to start: {engine.failed}"))
         return
-    engine.submit(job, _done)
+    engine.submit(job, _done, on_progress=_progress if job.stream else None)

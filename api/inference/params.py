@@ -39,13 +39,11 @@ COMPLETION_PARAMETERS = frozenset({
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
     "parallel_tool_calls": (None, True), "service_tier": (None, "auto", "default"), "modalities": (None, ["text"]),
-    "response_format": (None, {"type": "text"}), "stream": (None, False), "best_of": (None, 1), "echo": (None, False),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "echo": (None, False),
     # every call is recorded in the rollout store: asking for that is fine, asking not to is refused
     "store": (None, True),
 }
 WHY_NOT = {
-    "stream": "not supported yet: the sampler hands out whole samples; send stream: false",
-    "stream_options": "not supported yet (it needs stream, which is not supported yet)",
     "store": "every call is recorded in the rollout store; store: false is not supported",
     "tool_choice": "only \"auto\" and \"none\" are supported (forcing a tool needs guided decoding)",
 }
@@ -82,6 +80,13 @@ def _validation_message(error: ValidationError) -> str:
     return "; ".join(problems)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None  # a last chunk with the usage and no choices
+    include_obfuscation: bool | None = None  # only false/absent: chunks carry no padding here
+
+
 class InferenceRequest(BaseModel):
     """What /chat/completions and /completions share."""
 
@@ -98,6 +103,8 @@ class InferenceRequest(BaseModel):
     user: str | None = Field(None, max_length=1000)
     metadata: dict[str, str] | None = None
     return_tokens_as_token_ids: bool = False  # extension
+    stream: bool | None = None  # server-sent events as the engine makes the tokens (api/inference/chunks.py)
+    stream_options: StreamOptions | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -137,6 +144,11 @@ def parse(cls: type[InferenceRequest], body: Any, known: frozenset[str]) -> Infe
     for i, stop in enumerate(parsed.stop_strings):
         if not stop:
             raise InferenceError(400, f"stop[{i}]: an empty stop string would stop at once")
+    if parsed.stream_options is not None:
+        if not parsed.stream:
+            raise InferenceError(400, "stream_options: only allowed when stream is true")
+        if parsed.stream_options.include_obfuscation:
+            raise InferenceError(400, "stream_options.include_obfuscation: not supported by this server; send false")
     if isinstance(parsed, ChatRequest):
         _check_chat(parsed)
     return parsed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
@@ -16,13 +17,34 @@ from api.deps import ApiKeyHeader, TenantRef, in_tenant_session
 from api.public_errors import public_error
 from db.models import Request as RequestRow
 from db.models import RequestState
-from scheduler.notify import Answer
+from scheduler.notify import Answer, Watch
 
 router = APIRouter()
 FINISHED = (RequestState.DONE, RequestState.FAILED)
 # A long-poll wakes when the scheduler says the request finished, and re-reads the database at
 # least this often anyway: a wake-up lost between processes (scheduler/bus.py) only delays.
 RECHECK_SECONDS = 2.0
+
+
+async def wait_for_answer(watch: Watch, deadline: float, reread: Callable[[], Awaitable[Answer | None]],
+                          check: Callable[[], Awaitable[None]] | None = None) -> Answer | None:
+    """Wait until the watched request finishes: its answer, or None once `deadline` (time.monotonic)
+    passes. `check` runs before each wait (e.g. raise when the caller went away)."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        if check is not None:
+            await check()
+        try:
+            await asyncio.wait_for(watch.finished.wait(), timeout=min(remaining, RECHECK_SECONDS))
+        except asyncio.TimeoutError:
+            pass
+        watch.finished.clear()
+        # the scheduler of this process hands over the committed answer; other wake-ups re-read it
+        answer = watch.answer or await reread()
+        if answer is not None:
+            return answer
 
 
 class RetrieveFuture(BaseModel):
@@ -58,17 +80,11 @@ async def retrieve_future(body: RetrieveFuture, request: Request, x_api_key: Api
     deadline = time.monotonic() + request.app.state.settings.long_poll_seconds
     with request.app.state.notifier.watch(body.request_id) as watch:
         answer = await in_tenant_session(request, x_api_key, lambda db, tenant: _owned_answer(db, tenant, body.request_id))
-        while answer is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
-            try:
-                await asyncio.wait_for(watch.finished.wait(), timeout=min(remaining, RECHECK_SECONDS))
-            except asyncio.TimeoutError:
-                pass
-            watch.finished.clear()
-            # the scheduler of this process hands over the committed answer; other wake-ups re-read it
-            answer = watch.answer or await run_in_threadpool(_reread, request, body.request_id)
+        if answer is None:
+            answer = await wait_for_answer(watch, deadline,
+                                           lambda: run_in_threadpool(_reread, request, body.request_id))
+        if answer is None:
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
     if answer.error is not None:
         settings = request.app.state.settings
         error = dict(answer.error, error=public_error(str(answer.error.get("error", "")), settings.checkpoint_dir,

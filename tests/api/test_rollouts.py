@@ -112,14 +112,19 @@ def test_keys_come_as_a_bearer_token_or_x_api_key_and_errors_come_in_openais_sha
 
 def test_routes_not_served_yet_say_so(api, keys):
     alice, _ = keys
-    answer = oai(api, {"Authorization": f"Bearer {alice}"}).post("/responses", json=CHAT)
+    answer = oai(api, {"Authorization": f"Bearer {alice}"}).post("/embeddings", json=CHAT)
     assert answer.status_code == 404 and answer.json()["error"]["message"].startswith(
-        "/oai/api/v1/responses: not supported by this server yet")
+        "/oai/api/v1/embeddings: not supported by this server yet")
     anthropic = TestClient(api.app, base_url="http://test/anthropic")
     assert anthropic.post("/v1/messages", json={}).status_code == 401
-    answer = anthropic.post("/v1/messages", json={}, headers={"x-api-key": alice})
+    answer = anthropic.get("/v1/models", headers={"x-api-key": alice})
     assert answer.status_code == 404 and answer.json()["error"]["type"] == "not_found_error"
-    assert "Anthropic Messages API is not supported by this server yet" in answer.json()["error"]["message"]
+    assert answer.json()["error"]["message"].startswith("/anthropic/v1/models: not supported by this server")
+    # the Messages API itself, past the key: this app has no sampler, and says so in Anthropic's shape
+    answer = anthropic.post("/v1/messages", headers={"x-api-key": alice}, json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert answer.status_code == 400 and answer.json()["type"] == "error"
+    assert answer.json()["error"]["message"].startswith("model: sampling is not available")
 
 
 def test_a_long_conversation_with_a_bearer_key_gets_past_the_body_guard(api, keys):

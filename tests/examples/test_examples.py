@@ -8,7 +8,7 @@ import json
 import pytest
 
 import loraplex
-from examples import driver, rl_arithmetic, sft
+from examples import agent_rl, driver, rl_arithmetic, sft
 from tests.servers import running_server
 
 pytestmark = pytest.mark.vllm  # the examples sample through the server's vLLM sampler
@@ -73,3 +73,32 @@ def test_the_driver_runs_tenants_at_once_then_one_by_one(service, tmp_path):
         assert report[mode]["trainer_busy_seconds"] > 0 and report[mode]["sampler_generated_tokens"] > 0
     assert report["serial_over_concurrent"] > 0
     assert "serial / concurrent" in driver.markdown(report, "command")
+
+
+def test_the_agents_calculator_is_arithmetic_only():
+    assert agent_rl.calculate("3 * (4 + 2) - 1") == 17 and agent_rl.calculate("7 / 2") == 3.5
+    for bad in ("__import__('os')", "2 ** 99", "1 / 0", "3 +"):
+        with pytest.raises(ValueError):
+            agent_rl.calculate(bad)
+    assert agent_rl.CALL.search("sure. CALC: 12 * 3\n")[1].strip() == "12 * 3"
+    problem = agent_rl.Problem("?", 36)
+    assert agent_rl.score(problem, agent_rl.Episode("ANSWER: 36", 36.0, (36.0,), 2), 0.5) == 1.5
+    assert agent_rl.score(problem, agent_rl.Episode("ANSWER: 36", 36.0, (), 1), 0.5) == 1.0
+    assert agent_rl.score(problem, agent_rl.Episode("ANSWER: 7", 7.0, (7.0,), 2), 0.5) == 0.0  # a call alone: nothing
+    assert agent_rl.score(problem, agent_rl.Episode("no idea", None, (), 1), 0.5) == 0.0
+
+
+def test_agent_rl_trains_from_the_rollout_store_through_the_policy_alias(service, tmp_path, monkeypatch):
+    # `tiny` never solves a word problem nor calls the calculator: score by the final reply's length
+    # parity instead, so that groups disagree and every part of the step runs
+    monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: float(len(episode.final) % 2))
+    summary = agent_rl.run(service[1], "tiny", steps=2, prompts_per_step=2, group_size=3, max_turns=2, max_tokens=6,
+                           held_out=3, eval_every=2, results=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "agent_rl.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "held_out_success" in rows[0] and "held_out_success" in rows[2]
+    assert sum(r["datums"] for r in rows[1:]) > 0 and rows[-1]["policy_version"] >= 1
+    assert all(r["stale_turns"] == 0 for r in rows[1:])  # every call answered by the alias's newest weights
+    assert summary["policy_alias"].endswith("/sampler_weights/@latest") and (tmp_path / "agent_rl.png").is_file()
+    store = loraplex.RolloutsClient(service[1])
+    recorded = [t for t in store.list_trajectories(limit=100) if t.session_id.endswith("-s2-0")]
+    assert len(recorded) == 1 and recorded[0].reward is not None  # rewarded in the store; eval episodes deleted

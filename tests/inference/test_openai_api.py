@@ -117,7 +117,8 @@ def test_errors_name_the_field_and_other_tenants_models_do_not_exist(server, cli
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert unknown.value.body["param"] == "model" and unknown.value.body["code"] == "model_not_found"
     for fields, param in ((dict(temperature=-1), "temperature"), (dict(top_logprobs=2), "top_logprobs"),
-                          (dict(stream=True), "stream"), (dict(tool_choice="required"), "tool_choice"),
+                          (dict(stream_options={"include_usage": True}), "stream_options"),
+                          (dict(tool_choice="required"), "tool_choice"),
                           (dict(n=0), "n"), (dict(extra_body={"guided_choice": ["a"]}), "guided_choice"),
                           (dict(messages=[{"role": "user", "content": [IMAGE]}]), "messages[0].content[0].type")):
         with pytest.raises(openai.BadRequestError) as refused:
@@ -128,7 +129,7 @@ def test_errors_name_the_field_and_other_tenants_models_do_not_exist(server, cli
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=client.base_url, api_key="tml-nobody", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError, match="not supported by this server yet"):
-        client.responses.create(model="tiny", input="hi")
+        client.embeddings.create(model="tiny", input="hi")  # (Responses: test_responses_api.py)
 
     # the owner's checkpoint and policy alias, as another tenant sees them: like names of nothing
     training = lp.create_lora_training_client("tiny", rank=4, seed=1)

@@ -37,10 +37,13 @@ def test_every_chat_parameter_not_used_is_refused_unless_neutral(name):
     assert refusal(lambda: chat(**{name: "something else"})).startswith(f"{name}: ")
 
 
-def test_unknown_parameters_and_stream_are_refused_naming_them():
+def test_unknown_parameters_and_stream_options_without_stream_are_refused_naming_them():
     assert refusal(lambda: chat(best_of=2)).startswith("best_of: not a parameter of this route")  # a /completions one
     assert refusal(lambda: chat(min_p=0.1)).startswith("min_p: ")
-    assert "not supported yet" in refusal(lambda: chat(stream=True))
+    assert refusal(lambda: chat(stream_options={"include_usage": True})).startswith("stream_options: only allowed when")
+    assert refusal(lambda: chat(stream=True, stream_options={"include_obfuscation": True})).startswith(
+        "stream_options.include_obfuscation: ")
+    assert chat(stream=True, stream_options={"include_usage": True}).stream_options.include_usage
     assert refusal(lambda: chat(frequency_penalty=0.5)) == \
         "frequency_penalty: not supported by this server; only 0 is accepted"
     chat(frequency_penalty=0.0, presence_penalty=0, stream=False, store=True, parallel_tool_calls=True)

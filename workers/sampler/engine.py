@@ -6,6 +6,10 @@ Each adapter snapshot folder becomes one vLLM LoRA (its own id and name: vLLM's 
 never mixes versions), loaded on first use without a restart; vLLM keeps `max_loras` of them
 in a batch and evicts the least recently used beyond `max_cpu_loras`.
 
+A streaming job (`SampleJob.stream`) runs with vLLM's DELTA outputs: each step's new tokens of
+each sample go to its progress callback as they are made, and its outcome is those deltas joined,
+the same SampleResult as a non-streaming job's. `abort` stops a job (its caller went away).
+
 The engine starts in the background: `submit` queues jobs until it is ready, so the API
 answers from the first second. A snapshot on a remote store is downloaded on a thread of its own
 while its jobs wait, so one tenant's download never stalls everyone's sampling.
@@ -19,8 +23,9 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -29,7 +34,7 @@ from contract.errors import EngineError, InvalidInputError
 from loraplex.wire.codec import SampledSequenceWire
 from workers import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
+from workers.sampler.jobs import SampleDelta, SampleJob, SampleResult, SamplingOptions
 from workers.sampler.snapshot_check import check_snapshot
 
 log = logging.getLogger(__name__)
@@ -37,7 +42,9 @@ log = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 # (no location in it: a snapshot's storage path holds its tenant's id)
 SNAPSHOT_GONE = "the snapshot's weights are gone (the checkpoint was deleted or expired)"
+CANCELLED = "sampling cancelled: the caller went away"
 Callback = Callable[[str, SampleResult | EngineError], None]
+Progress = Callable[[str, list[SampleDelta]], None]  # (request id, this step's new tokens per sample)
 
 # Prometheus metrics (served at GET /metrics; see scheduler/metrics.py)
 STEP_SECONDS = Histogram("loraplex_sampler_step_seconds", "Time of one vLLM engine step",
@@ -87,13 +94,60 @@ def vllm_sampling_params(job: SampleJob):
         ignore_eos=o.ignore_eos,
         logprobs=job.topk_sample_logprobs,  # k >= 0: the sampled token's logprob, plus the top k
         prompt_logprobs=job.topk_prompt_logprobs if job.prompt_logprobs or job.topk_prompt_logprobs else None,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA if job.stream else RequestOutputKind.FINAL_ONLY,
     )
 
 
 def _topk_row(entries, k: int) -> list[tuple[int, float]]:
     ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in entries.items() if lp.rank is not None and lp.rank <= k))
     return [(tok, logprob) for _, tok, logprob in ranked[:k]]
+
+
+@dataclass
+class _Joined:
+    """A streaming job's DELTA outputs joined into what a FINAL_ONLY output holds (for `to_result`).
+    vLLM hands out each of n samples' deltas in outputs of their own, so they are kept by index."""
+
+    outputs: dict[int, object] = field(default_factory=dict)  # index -> CompletionOutput, tokens so far
+    num_cached_tokens: int | None = None
+    prompt_logprobs: list | None = None
+
+    def add(self, job: SampleJob, output) -> list[SampleDelta]:
+        """Join one step's output; its new tokens as deltas (every index when greedy n > 1 shares one)."""
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = list(output.prompt_logprobs)
+        deltas = []
+        for completion in output.outputs:
+            new_tokens, new_logprobs = list(completion.token_ids), list(completion.logprobs or [])
+            joined = self.outputs.get(completion.index)
+            if joined is None:
+                joined = self.outputs[completion.index] = _Completion(completion.index)
+            joined.token_ids.extend(new_tokens)
+            joined.logprobs.extend(new_logprobs)
+            joined.finish_reason = completion.finish_reason
+            if not new_tokens:
+                continue
+            k = job.topk_sample_logprobs
+            delta = SampleDelta(
+                completion.index, tuple(new_tokens),
+                tuple(row[t].logprob for row, t in zip(new_logprobs, new_tokens)),
+                tuple(tuple(_topk_row(row, k)) for row in new_logprobs) if k else None)
+            if job.options.temperature == 0:  # greedy: vLLM makes one sequence, every sample is a copy
+                deltas.extend(SampleDelta(i, delta.tokens, delta.logprobs, delta.topk_logprobs)
+                              for i in range(job.num_samples))
+            else:
+                deltas.append(delta)
+        return deltas
+
+
+@dataclass
+class _Completion:
+    index: int
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 def to_result(job: SampleJob, output) -> SampleResult:
@@ -124,6 +178,8 @@ def to_result(job: SampleJob, output) -> SampleResult:
 
 
 class SamplerEngine:
+    streams = True  # reports a streaming job's tokens as it makes them (SamplingDispatcher.streams)
+
     def __init__(self, config: SamplerConfig, compute: ComputeThread | None = None) -> None:
         """compute: where vLLM's torch work runs (its build, adapter loads and steps), when the
         process shares one compute thread between engines (workers/compute_thread.py); else on
@@ -148,6 +204,9 @@ class SamplerEngine:
         self._next_lora_id = itertools.count(1)  # never reused: vLLM keys loaded adapters by id
         self._engine = None
         self._unrun_failures: list[tuple[str, EngineError]] = []  # jobs failed while draining, to finish
+        self._progress: dict[str, Progress] = {}  # streaming jobs' progress callbacks (set by `submit`)
+        self._joined: dict[str, _Joined] = {}  # streaming jobs in vLLM: their outputs so far
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -204,17 +263,27 @@ class SamplerEngine:
         """Jobs submitted and not finished yet (the caller's measure of load, for backpressure)."""
         return self._pending
 
-    def submit(self, job: SampleJob, on_done: Callback) -> None:
-        """Queue a job; `on_done(request_id, result or error)` is called from the engine thread."""
+    def submit(self, job: SampleJob, on_done: Callback, on_progress: Progress | None = None) -> None:
+        """Queue a job; `on_done(request_id, result or error)` is called from the engine thread, and for
+        a streaming job `on_progress(request_id, deltas)` after each step that made tokens, before it."""
         if self.failed is not None:
             raise RuntimeError(f"the sampler engine failed to start: {self.failed}")
         with self._pending_lock:
             self._pending += 1
+        if job.stream and on_progress is not None:
+            self._progress[job.request_id] = on_progress
         self._inbox.put((job, on_done))
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a job (from any thread): it fails with CANCELLED; nothing happens if it already finished."""
+        self._aborts.put(request_id)
         self._wakeup.set()
 
     def _finish(self, request_id: str, outcome: SampleResult | EngineError) -> None:
         job, on_done = self._callbacks.pop(request_id)
+        self._progress.pop(request_id, None)
+        self._joined.pop(request_id, None)
         with self._pending_lock:
             self._pending -= 1
         FINISHED.labels("ok" if isinstance(outcome, SampleResult) else "failed").inc()
@@ -283,6 +352,8 @@ class SamplerEngine:
             return
         try:
             lora = self._lora_request(job.adapter_path) if job.adapter_path else None
+            if job.stream:
+                self._joined[job.request_id] = _Joined()
             self._engine.add_request(job.request_id, {"prompt_token_ids": list(job.prompt)},
                                      vllm_sampling_params(job), lora_request=lora)
         except EngineError as e:
@@ -325,15 +396,49 @@ class SamplerEngine:
                     self._finish(request_id, EngineError(f"sampling failed: {e}"))
                 continue
             for output in outputs:
-                if output.finished and output.request_id in self._callbacks:
-                    job, _ = self._callbacks[output.request_id]
+                if output.request_id not in self._callbacks:
+                    continue
+                job, _ = self._callbacks[output.request_id]
+                try:
+                    if job.stream:
+                        output = self._joined_output(job, output)
+                    if not output.finished:
+                        continue
                     GENERATED_TOKENS.inc(sum(len(c.token_ids) for c in output.outputs))
-                    try:
-                        outcome = to_result(job, output)
-                    except Exception as e:  # a bug here must not stop the engine thread
-                        log.exception("converting the output of %s failed", output.request_id)
-                        outcome = EngineError(f"sampling failed: {e}")
-                    self._finish(output.request_id, outcome)
+                    outcome = to_result(job, output)
+                except Exception as e:  # a bug here must not stop the engine thread
+                    log.exception("converting the output of %s failed", output.request_id)
+                    self._engine.abort_request([output.request_id])
+                    outcome = EngineError(f"sampling failed: {e}")
+                self._finish(output.request_id, outcome)
+
+    def _joined_output(self, job: SampleJob, output):
+        """A streaming job's step: its new tokens to the progress callback; the joined output so far."""
+        joined = self._joined[job.request_id]
+        deltas = joined.add(job, output)
+        progress = self._progress.get(job.request_id)
+        if deltas and progress is not None:
+            try:
+                progress(job.request_id, deltas)
+            except Exception:  # a listener's failure never stops the sample
+                log.exception("progress callback failed for %s", job.request_id)
+        return SimpleNamespace(request_id=output.request_id, finished=output.finished,
+                               outputs=list(joined.outputs.values()), num_cached_tokens=joined.num_cached_tokens,
+                               prompt_logprobs=joined.prompt_logprobs)
+
+    def _abort_requested(self) -> None:
+        """Jobs whose caller went away: out of vLLM (or of a download's wait list), failed as cancelled."""
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            if request_id not in self._callbacks or any(rid == request_id for rid, _ in self._unrun_failures):
+                continue  # finished already, or failing anyway
+            self._engine.abort_request([request_id])
+            for waiting in self._downloading.values():
+                waiting[:] = [(job, cb) for job, cb in waiting if job.request_id != request_id]
+            self._fail_unrun(request_id, EngineError(CANCELLED))
 
     def _step(self):
         with STEP_SECONDS.time():
@@ -346,6 +451,7 @@ class SamplerEngine:
             try:
                 job, on_done = self._inbox.get_nowait()
             except queue.Empty:
+                self._abort_requested()
                 return self._engine.has_unfinished_requests()
             self._add(job, on_done)
 

@@ -39,6 +39,9 @@ class SampleJob:
     # stable_reinforce (scheduler/stability.py); empty: nothing is recorded
     recorded_sequence_ids: tuple[str, ...] = ()
     policy_version: int | None = None  # optimizer steps of the snapshot; None: the base model
+    # the engine also reports each step's new tokens (SampleDelta) as it makes them (the API's
+    # `stream: true`); the outcome is the same either way
+    stream: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -51,6 +54,17 @@ class SampleJob:
         ids = tuple(d.pop("recorded_sequence_ids", ()))  # absent from jobs stored before it existed
         return cls(**{**d, "prompt": tuple(d["prompt"]), "options": SamplingOptions(**opts),
                       "recorded_sequence_ids": ids})
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    """New tokens of one sample (choice `index`) from one engine step, with their logprobs and top-k
+    rows (when the job asked for them). A sample's deltas, joined in order, are its final sequence."""
+
+    index: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    topk_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @dataclass

@@ -1,0 +1,52 @@
+"""Anthropic Messages answers and errors, built as the `anthropic` package's own types (so their shape is
+Anthropic's by construction). Imported on first use, as responses.py is: the SDK takes a while to import.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from anthropic.types import Message, MessageTokensCount, TextBlock, ToolUseBlock, Usage
+
+from api.inference.rendering import Completion
+from loraplex.wire.codec import SampledSequenceWire
+
+
+def stop_reason(done: Completion, seq: SampledSequenceWire, end_tokens: frozenset[int], full_text: str | None,
+                stop_strings: Sequence[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a sample: a tool call, the length limit, one of the caller's stop
+    sequences (the first in the text, as the text was cut there), or the model's own end of turn."""
+    if done.finish_reason == "tool_calls":
+        return "tool_use", None
+    if done.finish_reason == "length":
+        return "max_tokens", None
+    if seq.tokens and seq.tokens[-1] in end_tokens or not stop_strings or full_text is None:
+        return "end_turn", None
+    found = [(at, stop) for stop in stop_strings if (at := full_text.find(stop)) >= 0]
+    return ("stop_sequence", min(found)[1]) if found else ("end_turn", None)
+
+
+def _tool_input(arguments: str) -> dict:
+    """The call's arguments as tool_use's `input` object (the parser hands them over as JSON text)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        parsed = arguments
+    return parsed if isinstance(parsed, dict) else {"arguments": parsed}
+
+
+def message(*, response_id: str, model: str, prompt_len: int, cached: int, seq: SampledSequenceWire,
+            done: Completion, reason: tuple[str, str | None]) -> dict:
+    content: list = [TextBlock(type="text", text=done.text)] if done.text else []
+    content += [ToolUseBlock(type="tool_use", id=call.id, name=call.name, input=_tool_input(call.arguments))
+                for call in done.tool_calls]
+    usage = Usage(input_tokens=prompt_len - cached, cache_read_input_tokens=cached, cache_creation_input_tokens=0,
+                  output_tokens=len(seq.tokens))
+    answer = Message(id=f"msg_{response_id}", type="message", role="assistant", model=model, content=content,
+                     stop_reason=reason[0], stop_sequence=reason[1], usage=usage)
+    return answer.model_dump(mode="json", exclude_unset=True)
+
+
+def token_count(prompt_len: int) -> dict:
+    return MessageTokensCount(input_tokens=prompt_len).model_dump(mode="json")

@@ -1,0 +1,157 @@
+"""What every inference API (OpenAI's, Anthropic's, OpenAI Responses) does around its own request and
+answer shapes: authenticate the tenant's key, resolve `model`, read the JSON body, answer refusals in
+the API's own error shape, and sample a prompt and record it as the next turn of its trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import TenantRef, tenant_of_key
+from api.inference import params, rendering, targets
+from api.inference.errors import InferenceError, error_response
+from api.inference.generate import Generation, generate
+from api.inference.keys import api_key
+from db import rollouts
+from db.models import new_id
+from workers.sampler.jobs import SamplingOptions
+
+SESSION_HEADER = "X-Loraplex-Session"
+# (settings, the refusal) -> the response in an API's error shape
+ErrorShaper = Callable[[Any, HTTPException], Response]
+
+
+def authenticate(request: Request) -> TenantRef:
+    """The tenant of the call's key (blocking: run it in the thread pool)."""
+    key = api_key(request.headers)
+    if not key:
+        raise InferenceError(401, "api_key: missing: send Authorization: Bearer <key> or x-api-key",
+                             code="invalid_api_key")
+    with request.app.state.sessions() as db:
+        tenant = tenant_of_key(db, key)
+    if tenant is None:
+        raise InferenceError(401, "api_key: invalid, revoked or disabled", code="invalid_api_key")
+    return tenant
+
+
+def resolve(request: Request, tenant: TenantRef, model: str) -> targets.Target:
+    with request.app.state.sessions() as db:
+        return targets.resolve(request, db, tenant.id, model)
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise InferenceError(400, f"body: not valid JSON ({e})") from None
+
+
+async def answer(request: Request, work: Callable[[], Awaitable[Response]],
+                 shape: ErrorShaper = error_response) -> Response:
+    """`work`'s response, or its refusal in the API's error shape (OpenAI's unless `shape` says otherwise)."""
+    try:
+        return await work()
+    except HTTPException as e:
+        return shape(request.app.state.settings, e)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One inference call, parsed and rendered: what is sampled and how it is recorded."""
+
+    api: str  # the rollout store's name for the API ("chat.completions", "anthropic.messages", ...)
+    model: str  # as the request named it
+    raw: dict  # the request body as it came, stored with the turn
+    target: targets.Target
+    prompt: list[int]
+    n: int
+    options: SamplingOptions
+    session: str | None  # the trajectory, by the caller's name; None: one of its own
+    topk: int  # top-k logprobs width per sampled token
+    parse_tools: bool  # take tool calls out of the text (the call passed tools)
+
+
+def openai_call(request: Request, body: params.InferenceRequest, raw: dict, api: str, target: targets.Target,
+                prompt: list[int], topk: int, parse_tools: bool) -> Call:
+    """A Call from an OpenAI chat/completions body (its session and sampling fields)."""
+    info, settings = request.app.state.model_info, request.app.state.settings
+    return Call(api=api, model=body.model, raw=raw, target=target, prompt=prompt, n=body.n,
+                options=params.sampling_options(body, len(prompt), info.max_context, settings.sampler_max_samples),
+                session=params.session_of(request.headers.get(SESSION_HEADER), body), topk=topk,
+                parse_tools=parse_tools)
+
+
+def sampling_options(request: Request, prompt_len: int, *, max_tokens: int | None, max_tokens_field: str,
+                     prompt_field: str, temperature: float | None, top_p: float | None, top_k: int | None,
+                     stop: tuple[str, ...] = (), seed: int | None = None) -> SamplingOptions:
+    """One sample's options from an API's own fields, refusing in their names what the context cannot hold
+    (params.sampling_options does the same for OpenAI's chat/completions bodies)."""
+    max_context = request.app.state.model_info.max_context
+    room = max_context - prompt_len
+    if room < 1:
+        raise InferenceError(400, f"{prompt_field}: the prompt is {prompt_len} tokens; the model's context is "
+                                  f"{max_context}")
+    if max_tokens is not None and max_tokens > room:
+        raise InferenceError(400, f"{max_tokens_field}: prompt ({prompt_len}) + {max_tokens_field} ({max_tokens}) "
+                                  f"exceed the model's context of {max_context} tokens")
+    return SamplingOptions(max_tokens=room if max_tokens is None else max_tokens,
+                           temperature=1.0 if temperature is None else temperature,
+                           top_k=-1 if top_k in (None, 0, -1) else top_k, top_p=1.0 if top_p is None else top_p,
+                           seed=seed, stop_strings=stop)
+
+
+def session_named(*named: tuple[str, str | None]) -> str | None:
+    """The first (field, value) that names a trajectory, checked as params.session_of checks it; None: the
+    call is a trajectory of its own."""
+    for field, value in named:
+        if value is None:
+            continue
+        if not isinstance(value, str) or not params._SESSION.match(value):
+            raise InferenceError(400, f"{field}: a session id is 1-200 letters, digits or ._:@+=- characters")
+        return value
+    return None
+
+
+def record(request: Request, tenant: TenantRef, call: Call, generation: Generation, turn_id: str,
+           build: Callable[..., dict]) -> tuple[dict, str, int]:
+    """Build the answer from the generation and store it as the trajectory's next turn (blocking):
+    (the answer, the trajectory's session id, the turn's number)."""
+    info = request.app.state.model_info
+    tokenizer, model_path = rendering.tokenizer_of(str(info.path)), str(info.path)
+    completions = [rendering.completion_of(tokenizer, model_path, list(seq.tokens), seq.stop_reason,
+                                           call.options.stop_strings, call.parse_tools)
+                   for seq in generation.sequences]
+    built = build(response_id=turn_id, model=call.model, fingerprint=f"loraplex-{call.target.version_label}",
+                  prompt_len=len(call.prompt), cached=generation.cached_prompt_tokens,
+                  sequences=generation.sequences, completions=completions, tokenizer=tokenizer)
+    choices = [rollouts.SampledChoice(seq.tokens, seq.logprobs, done.finish_reason)
+               for seq, done in zip(generation.sequences, completions)]
+    target = call.target
+    stored = rollouts.NewTurn(
+        id=turn_id, api=call.api, model=call.model, sampler_path=target.sampler_path,
+        adapter_path=target.adapter_path, policy_version=target.policy_version, request_id=generation.request_id,
+        prompt=call.prompt, choices=choices, request_body=call.raw, response_body=built)
+    return (built, *rollouts.record_turn(request.app.state.sessions, tenant.id, call.session, stored))
+
+
+def turn_headers(session_id: str, turn: int, target: targets.Target) -> dict[str, str]:
+    """Where the call was recorded, on every answer."""
+    return {SESSION_HEADER: session_id, "X-Loraplex-Turn": str(turn),
+            "X-Loraplex-Policy-Version": target.version_label}
+
+
+async def sample_and_record(request: Request, tenant: TenantRef, call: Call, build: Callable[..., dict],
+                            turn_id: str | None = None) -> Response:
+    """Generate, build the answer (`build(response_id=, model=, fingerprint=, prompt_len=, cached=,
+    sequences=, completions=, tokenizer=)`), record it as the next turn of its trajectory, send it."""
+    generation = await generate(request, tenant.id, call.target, call.prompt, call.n, call.options, call.topk)
+    built, session_id, turn = await run_in_threadpool(record, request, tenant, call, generation,
+                                                      turn_id or new_id(), build)
+    return JSONResponse(built, headers=turn_headers(session_id, turn, call.target))
