@@ -6,6 +6,7 @@ dir) and the distributed one (LORAPLEX_DATABASE_URL=postgresql+psycopg://...) al
     loraplex-admin tenants create alice            # prints alice's first API key, once
     loraplex-admin keys revoke tml-AbCdEfGh        # by the prefix `keys list` shows
     loraplex-admin quotas set alice --max-live-models 4 --train-tokens-per-day 1000000
+    loraplex-admin quotas set alice --rollout-ttl-seconds 604800 --max-rollout-bytes 1000000000
     loraplex-admin checkpoints prune-expired
     loraplex-admin usage --days 7
     loraplex-admin models state MODEL_ID           # its stored training state, verified, and what a rebuild uses
@@ -182,11 +183,15 @@ def quotas_set(
     sample_tokens_per_day: Optional[str] = typer.Option(None, help="prompt + generated tokens, from 00:00 UTC"),
     max_concurrent_requests: Optional[str] = typer.Option(None, help="accepted and not finished"),
     max_checkpoint_bytes: Optional[str] = typer.Option(None, help="bytes of stored checkpoints"),
+    rollout_ttl_seconds: Optional[str] = typer.Option(
+        None, help="rollout-store trajectories untouched this long are deleted by the janitor"),
+    max_rollout_bytes: Optional[str] = typer.Option(None, help="bytes of stored rollouts; past it recordings are refused"),
 ) -> None:
     """Set limits (a number, or 'none' for no limit); options not given keep their value."""
     given = dict(max_live_models=max_live_models, max_lora_rank=max_lora_rank, train_tokens_per_day=train_tokens_per_day,
                  sample_tokens_per_day=sample_tokens_per_day, max_concurrent_requests=max_concurrent_requests,
-                 max_checkpoint_bytes=max_checkpoint_bytes)
+                 max_checkpoint_bytes=max_checkpoint_bytes, rollout_ttl_seconds=rollout_ttl_seconds,
+                 max_rollout_bytes=max_rollout_bytes)
     with session() as s:
         owner = tenant_named(s, tenant)
         quota = s.get(Quota, owner.id) or Quota(tenant_id=owner.id)
@@ -257,12 +262,14 @@ def checkpoints_delete(tinker_path: str) -> None:
 
 @checkpoints_app.command("prune-expired")
 def checkpoints_prune_expired() -> None:
-    """Delete every checkpoint whose TTL has passed, and ephemeral sampler snapshots that are
-    superseded and unused (what the server's janitor does every minute: scheduler/janitor.py)."""
+    """Delete every checkpoint whose TTL has passed, ephemeral sampler snapshots that are superseded and
+    unused, and rollout trajectories past their tenant's rollout TTL (what the server's janitor does
+    every minute: scheduler/janitor.py)."""
     from scheduler.janitor import sweep
 
-    expired, ephemeral = sweep(sessions(), _state["settings"].ephemeral_snapshot_grace_seconds)
-    console.print(f"{expired} expired checkpoints and {ephemeral} ephemeral snapshots deleted")
+    expired, ephemeral, trajectories = sweep(sessions(), _state["settings"].ephemeral_snapshot_grace_seconds)
+    console.print(f"{expired} expired checkpoints and {ephemeral} ephemeral snapshots deleted; "
+                  f"{trajectories} expired rollout trajectories deleted")
 
 
 # --- models: their stored training state ---------------------------------------------------------
@@ -381,6 +388,31 @@ def usage(tenant: Optional[str] = typer.Option(None), days: int = typer.Option(1
             rows.append([t.name, u.tokens_trained, u.tokens_sampled, u.storage_bytes, u.live_models, u.requests_in_flight])
     show(f"usage (tokens: last {days} day(s))", ["tenant", "tokens trained", "tokens sampled", "storage bytes",
                                                  "live models", "in flight"], rows)
+
+
+# --- operator keys: the dashboard's admin view -------------------------------------------------------
+
+operator_keys_app = typer.Typer(no_args_is_help=True, help="issue, revoke: keys for the dashboard's admin view")
+app.add_typer(operator_keys_app, name="operator-keys")
+
+
+@operator_keys_app.command("issue")
+def operator_keys_issue() -> None:
+    """Issue an operator key (tmo-...), printed once: it logs into /dashboard and sees every tenant."""
+    from service.operator_keys import issue_operator_key
+
+    with session() as s:
+        print(issue_operator_key(s))
+
+
+@operator_keys_app.command("revoke")
+def operator_keys_revoke(key_prefix: str = typer.Argument(..., help="the key's first characters (tmo-...)")) -> None:
+    """Revoke operator keys by prefix: their dashboard sessions end at once."""
+    from service.operator_keys import revoke_operator_key
+
+    with session() as s:
+        count = revoke_operator_key(s, key_prefix.removesuffix("..."))
+    console.print(f"{count} operator key(s) revoked")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,13 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.inference import openai_api
+from api.inference import anthropic_api, openai_api, responses_api
 from api.inference.keys import BearerAsApiKey
 from api.public_errors import MAX_ERROR_CHARS, public_error
 from api.request_guard import RequestGuard
-from api.routes import futures, rollouts, runs, sampling, service, sessions, tokenizers, training, unsupported
+from api.dashboard import json_routers as dashboard_routers
+from api.dashboard.pages import install as install_dashboard_pages
+from api.routes import futures, rollouts, run_metrics, runs, sampling, service, sessions, tokenizers, training, unsupported
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +34,14 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.model_info = model_info
     app.state.sampling = sampling_dispatcher
     app.state.sampling_unavailable = sampling_unavailable
-    for module in (service, sessions, training, futures, sampling, runs, unsupported, tokenizers, rollouts):
+    for module in (service, sessions, training, futures, sampling, runs, run_metrics, unsupported, tokenizers, rollouts):
         app.include_router(module.router, prefix="/api/v1")
+    app.include_router(responses_api.router)  # before openai_api's catch-all under the same prefix
     app.include_router(openai_api.router)
-    app.include_router(openai_api.anthropic_router)
+    app.include_router(anthropic_api.router)
+    for router in dashboard_routers():  # /dashboard: login and the JSON API (docs/dashboard.md)
+        app.include_router(router)
+    install_dashboard_pages(app)  # the pages on that API, and their static files
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus_metrics() -> Response:

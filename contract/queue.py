@@ -89,6 +89,8 @@ class Outcome:
     checkpoint: dict[str, Any] | None = field(default=None)  # a checkpoint written, for the scheduler to record
     # a part of a request run in parts went well and more remain: how far it has got (no result yet)
     progress: PartProgress | None = None
+    # what the dashboard charts of this request (workers/trainer/run_metrics.py), stored with the outcome
+    metrics: dict[str, float] | None = None
 
     @classmethod
     def json(cls, value: dict[str, Any], checkpoint: dict[str, Any] | None = None) -> "Outcome":

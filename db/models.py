@@ -117,10 +117,14 @@ class Quota(Base):
     sample_tokens_per_day: Mapped[int | None] = mapped_column(sa.BigInteger)
     max_concurrent_requests: Mapped[int | None]
     max_checkpoint_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    # The rollout store (db/rollouts.py): trajectories untouched this long are deleted (scheduler/janitor.py);
+    # past max_rollout_bytes new recordings are refused, as new checkpoints are past max_checkpoint_bytes.
+    rollout_ttl_seconds: Mapped[int | None] = mapped_column(sa.BigInteger)
+    max_rollout_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
 
 
 QUOTA_FIELDS = ("max_live_models", "max_lora_rank", "train_tokens_per_day", "sample_tokens_per_day",
-                "max_concurrent_requests", "max_checkpoint_bytes")
+                "max_concurrent_requests", "max_checkpoint_bytes", "rollout_ttl_seconds", "max_rollout_bytes")
 
 
 class ClientSession(Base):
@@ -248,14 +252,18 @@ class RolloutTrajectory(Base):
     that names none is a trajectory of its own."""
 
     __tablename__ = "rollout_trajectories"
-    __table_args__ = (sa.UniqueConstraint("tenant_id", "session_id"),)  # leads with tenant_id: the listing's index
+    __table_args__ = (
+        sa.UniqueConstraint("tenant_id", "session_id"),
+        sa.Index(None, "tenant_id", "updated_at"),  # the listing's order and the janitor's TTL sweep
+    )
 
     id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
     tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
     session_id: Mapped[str]  # the caller's name for it; unique per tenant, two tenants may share one
     reward: Mapped[float | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(default=utcnow)  # its last turn (or reward)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)  # its last turn (or reward); the TTL counts from it
+    size_bytes: Mapped[int] = mapped_column(sa.BigInteger, default=0, server_default="0")  # its turns' stored bytes
 
 
 class RolloutTurn(Base):
@@ -263,13 +271,16 @@ class RolloutTurn(Base):
     request and response as they went over the wire. Its id is the response's id."""
 
     __tablename__ = "rollout_turns"
-    __table_args__ = (sa.UniqueConstraint("trajectory_id", "turn"),)
+    __table_args__ = (
+        sa.UniqueConstraint("trajectory_id", "turn"),
+        sa.Index(None, "adapter_path", "created_at"),  # the janitor: did the proxy sample a snapshot lately
+    )
 
     id: Mapped[str] = mapped_column(primary_key=True)
     trajectory_id: Mapped[str] = mapped_column(sa.ForeignKey("rollout_trajectories.id"))
     tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
     turn: Mapped[int]  # 0, 1, ...: the order the trajectory's calls finished in
-    api: Mapped[str]  # "chat.completions" | "completions"
+    api: Mapped[str]  # "chat.completions" | "completions" | "responses" | "anthropic.messages"
     model: Mapped[str]  # as the request named it: a sampler path, a policy alias, the base model
     sampler_path: Mapped[str | None]  # the tinker:// sampler checkpoint it resolved to; None: the base model
     adapter_path: Mapped[str | None]  # that checkpoint's snapshot folder (server side, never shown)
@@ -292,3 +303,59 @@ class RolloutSample(Base):
     logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)  # float32 little-endian, one per token
     finish_reason: Mapped[str]  # as answered: "stop" | "length" | "tool_calls"
     reward: Mapped[float | None]  # this choice's own reward; None: the trajectory's
+
+
+class OperatorKey(Base):
+    """An operator's key for the dashboard's admin view (`loraplex-admin operator-keys issue`):
+    `tmo-` + a secret, stored as its SHA-256 as tenant keys are."""
+
+    __tablename__ = "operator_keys"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    key_hash: Mapped[str] = mapped_column(unique=True)
+    key_prefix: Mapped[str]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class DashboardSession(Base):
+    """A dashboard login: the cookie holds a random id, this row its SHA-256 and the key it was
+    opened with (exactly one of the two), so revoking the key ends the session."""
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[str] = mapped_column(primary_key=True)  # hex SHA-256 of the cookie's value
+    api_key_id: Mapped[str | None] = mapped_column(sa.ForeignKey("api_keys.id"))
+    operator_key_id: Mapped[str | None] = mapped_column(sa.ForeignKey("operator_keys.id"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+
+
+class ServiceMetric(Base):
+    """Numbers the service measured for a training run, one row per source: a forward_backward or
+    optim_step outcome, a sample, a rollout turned into datums (db/run_metrics.py reads them as series)."""
+
+    __tablename__ = "run_service_metrics"
+    __table_args__ = (sa.Index(None, "run_id", "step"),)
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
+    run_id: Mapped[str]  # the training model; no foreign key, as requests.model_id
+    source: Mapped[str]  # a RequestKind value, or "rollout_datums"
+    request_id: Mapped[str | None]
+    step: Mapped[int]  # the optimizer step the numbers belong to (x axis)
+    numbers: Mapped[dict[str, float]] = _json()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ClientMetric(Base):
+    """A number the client logged for a run at a step (`log_metrics`); logging it again replaces it."""
+
+    __tablename__ = "run_client_metrics"
+
+    run_id: Mapped[str] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
+    value: Mapped[float] = mapped_column(sa.Double)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +33,13 @@ def end_of_answer(tokenizer) -> int:
 
 @dataclass
 class RunLog:
-    """One run's per-step metrics, appended to `<results>/<name>.jsonl` as they come."""
+    """One run's per-step metrics, appended to `<results>/<name>.jsonl` as they come, and sent to the
+    service with `training.log_metrics` when a training client is given: the dashboard then charts
+    the rewards and evals only the example knows next to the service's own numbers (docs/dashboard.md)."""
 
     name: str
     results: Path = RESULTS
+    training: object | None = None  # a loraplex TrainingClient
     rows: list[dict] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
@@ -52,6 +56,10 @@ class RunLog:
         self.rows.append(row)
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        numbers = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v)}
+        if self.training is not None and numbers:
+            self.training.log_metrics(numbers, step=metrics.get("step"))
         print(f"[{self.name}] " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in row.items()), flush=True)
 

@@ -115,7 +115,7 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 20, pr
              group_size=group_size)
     train_problems, held_out_problems = problem_sets(seed, low, high, held_out)
     rng = random.Random(seed)
-    log = RunLog(name, results)
+    log = RunLog(name, results, training=rl.training)
     first = rl.accuracy(held_out_problems)
     log.log(step=0, held_out_accuracy=first)
 

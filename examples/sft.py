@@ -55,7 +55,7 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 30, ba
     tokenizer = training.get_tokenizer()
     train, held_out = load_pairs()
     held_out_data = [sft_datum(tokenizer, p) for p in held_out]
-    log = RunLog(name, results)
+    log = RunLog(name, results, training=training)
     first = held_out_loss(training, held_out_data)
     log.log(step=0, held_out_loss=first)
 

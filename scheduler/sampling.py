@@ -4,6 +4,10 @@ Samples have no ordering requirement (protocol section 4.5), so they bypass the 
 seq_id reorder buffer: each accepted request goes straight to the sampler engine, which batches
 whatever is in flight. The outcome is stored in the request row and the long-poll is woken,
 as for training requests. On start, accepted but unfinished samples are submitted again.
+
+A streaming job's new tokens go to the notifier as the engine makes them (`progress`), before its
+outcome; only an engine in this process streams (`streams`), and a stream whose caller left is
+aborted there (`abort`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contract.errors import EngineError
 from contract.kinds import RequestKind
+from db import run_metrics
 from db.models import Request, RequestState, utcnow
 from loraplex.wire.codec import PROTOBUF, encode_sample_response
 from scheduler import stability
@@ -53,12 +58,25 @@ class SamplingDispatcher:
         if self.engine.pending >= self.max_pending:
             raise SamplerBusy(f"the sampler has {self.engine.pending} requests in flight (limit {self.max_pending})")
 
+    @property
+    def streams(self) -> bool:
+        """Whether the engine reports a streaming job's tokens as it makes them (one in this process)."""
+        return getattr(self.engine, "streams", False)
+
     def submit(self, job: SampleJob) -> None:
         with self._lock:
             if job.request_id in self._in_flight:
                 return
             self._in_flight[job.request_id] = job
-        self.engine.submit(job, self._done)
+        if job.stream and self.streams:
+            self.engine.submit(job, self._done, on_progress=self.notifier.progress)
+        else:
+            self.engine.submit(job, self._done)
+
+    def abort(self, request_id: str) -> None:
+        """Stop sampling `request_id` (its caller went away); it fails as cancelled. No-op once finished."""
+        if getattr(self.engine, "abort", None) is not None:
+            self.engine.abort(request_id)
 
     def recover(self) -> int:
         with self.sessions() as s:
@@ -87,6 +105,8 @@ class SamplingDispatcher:
                 row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage
                 if job is None:  # an outcome for a job this process did not submit (one from before a restart)
                     job = SampleJob.from_json(row.payload)
+                # the dashboard's numbers of a run's snapshot, in the result's transaction
+                run_metrics.record_sample(s, row, job.adapter_path, job.policy_version, outcome.sequences)
                 if job.recorded_sequence_ids:  # in the result's transaction: no answer without its record
                     stability.record(s, row.tenant_id, row.model_id, job, outcome.sequences, utcnow())
                     stability.prune_expired(s, utcnow())

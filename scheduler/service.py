@@ -26,6 +26,7 @@ from contract.executor import Executor
 from contract.kinds import BATCHABLE_KINDS, RequestKind
 from contract.payloads import RejectedPayload
 from contract.queue import JSON, Cycle, Job, Outcome, QueuedRequest
+from db import run_metrics
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 from scheduler import metrics
 from scheduler.notify import Answer, Notifier
@@ -317,6 +318,7 @@ class SchedulerService:
         with self.sessions() as s:
             # by primary key, without loading the rows (a cycle's database work is on every request's latency)
             s.execute(sa.update(Request), updates)
+            run_metrics.store_outcomes(s, requests, outcomes)  # the dashboard's numbers, with their outcomes
             for q, checkpoint in checkpoints:
                 self._record_checkpoint(s, q, checkpoint)
             for model_id, seq_id in progress.items():

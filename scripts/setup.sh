@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 PIP=(.venv/bin/pip install --quiet --disable-pip-version-check)
+# Debian's Chromium: the dashboard's browser tests drive it through Playwright (never a browser download).
+command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+  || echo "warning: could not install chromium (apt-get install chromium): tests/dashboard/test_pages_browser.py needs it" >&2
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # The sampler's vLLM: the official CUDA build where a GPU is present, the community CPU build elsewhere.
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then SAMPLER=sampler-gpu; else SAMPLER=sampler-cpu; fi

@@ -17,7 +17,7 @@ from fastapi import APIRouter, HTTPException, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import DB, CurrentTenant, Limit, Offset
-from db import rollouts
+from db import rollouts, run_metrics
 from loraplex.rollouts import trajectory_datums
 
 router = APIRouter(prefix="/rollouts")
@@ -79,4 +79,6 @@ def trajectory_as_datums(session_id: str, tenant: CurrentTenant, db: DB, kind: L
         built = trajectory_datums(trajectory, kind, advantage)
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
+    # the dashboard's policy staleness: these datums are about to be trained (db/run_metrics.py)
+    run_metrics.record_staleness(db, tenant.id, session_id, [(t.sampler_path, t.policy_version) for t in trajectory.turns])
     return {"session_id": session_id, **built.to_json()}

@@ -200,6 +200,21 @@ def nested_body(route: str, field: str, depth: int) -> Callable[[Target], dict[s
                       "content": f'{{"model_id": "{t.model_id}", "seq_id": {t.seq_id}, "{field}": {nested(depth)}}}'.encode()}
 
 
+def client_metrics(metrics: Any, **more: Any) -> Callable[[Target], dict[str, Any]]:
+    """POST /training_runs/<the target model>/metrics (the SDK's log_metrics)."""
+    return lambda t: {"method": "POST", "url": f"{V1}/training_runs/{t.model_id}/metrics", "headers": JSON,
+                      "content": json.dumps({"metrics": metrics, **more}).encode()}
+
+
+def login(form: dict[str, str]) -> Callable[[Target], dict[str, Any]]:
+    return lambda t: {"method": "POST", "url": "/dashboard/login", "data": form}
+
+
+def dashboard(route: str, **params: Any) -> Callable[[Target], dict[str, Any]]:
+    """GET /dashboard/api/<route> ({run}: the target model) with query `params`."""
+    return lambda t: {"method": "GET", "url": f"/dashboard/api/{route.format(run=t.model_id)}", "params": params}
+
+
 JSON_ATTACKS = [
     Attack("learning_rate NaN", optim(learning_rate=float("nan")), ("learning_rate",), uses_seq=True),
     Attack("beta1 Infinity", optim(learning_rate=1e-3, beta1=float("inf")), ("beta1",), uses_seq=True),
@@ -244,6 +259,44 @@ JSON_ATTACKS = [
     Attack("100 KB model id to get_info", post_json("get_info", lambda t: {"model_id": LONG}), ("model_id",)),
     Attack("100 KB session id", post_json("session_heartbeat", lambda t: {"session_id": LONG}), ("session_id",)),
     Attack("100 KB tinker path", post_json("weights_info", lambda t: {"tinker_path": LONG}), ("tinker_path",)),
+    # client metrics of a run (api/routes/run_metrics.py)
+    Attack("client metric NaN", client_metrics({"reward": float("nan")}), ("metrics",)),
+    Attack("client metric 1e309", lambda t: {"method": "POST", "url": f"{V1}/training_runs/{t.model_id}/metrics",
+                                             "headers": JSON, "content": b'{"metrics": {"reward": 1e309}}'}, ("metrics",)),
+    Attack("client metric true", client_metrics({"reward": True}), ("metrics",)),
+    Attack("client metric a string", client_metrics({"reward": "high"}), ("metrics",)),
+    Attack("client metric a numeric string", client_metrics({"reward": "0.5"}), ("metrics",)),
+    Attack("client metric name with a space", client_metrics({"my reward": 1.0}), ("metrics",)),
+    Attack("100 KB client metric name", client_metrics({LONG: 1.0}), ("metrics",)),
+    Attack("no client metrics", client_metrics({}), ("metrics",)),
+    Attack("65 client metrics", client_metrics({f"m{i}": 1.0 for i in range(65)}), ("metrics",)),
+    Attack("client metrics not an object", client_metrics([1.0]), ("metrics",)),
+    Attack("client step -1", client_metrics({"reward": 1.0}, step=-1), ("step",)),
+    Attack("client step 10**30", client_metrics({"reward": 1.0}, step=HUGE), ("step",)),
+    Attack("client metrics of a 4 KB run id", lambda t: {  # 100 KB: longer than a URL may be
+        "method": "POST", "url": f"{V1}/training_runs/{'x' * 4096}/metrics", "headers": JSON,
+        "content": json.dumps({"metrics": {"reward": 1.0}}).encode()}, ("run_id",)),
+    # the dashboard's login form and JSON API (api/dashboard/): the attacker's key as X-API-Key
+    Attack("login without api_key", login({"next": "/dashboard"}), ("api_key",)),
+    Attack("login with a 100 KB api_key", login({"api_key": LONG}), ("api_key",)),
+    Attack("login as JSON", lambda t: {"method": "POST", "url": "/dashboard/login", "headers": JSON,
+                                       "content": json.dumps({"api_key": "tml-x"}).encode()}, ("api_key",)),
+    Attack("dashboard metrics since -2", dashboard("runs/{run}/metrics", since=-2), ("since",)),
+    Attack("dashboard metrics since 10**30", dashboard("runs/{run}/metrics", since=HUGE), ("since",)),
+    Attack("dashboard metrics since a word", dashboard("runs/{run}/metrics", since="last"), ("since",)),
+    Attack("dashboard requests limit 0", dashboard("runs/{run}/requests", limit=0), ("limit",)),
+    Attack("dashboard requests limit 10**30", dashboard("runs/{run}/requests", limit=HUGE), ("limit",)),
+    Attack("dashboard requests state bogus", dashboard("runs/{run}/requests", state="bogus"), ("state",)),
+    Attack("dashboard rl_groups good_above NaN", dashboard("runs/{run}/rl_groups", good_above="nan"), ("good_above",)),
+    Attack("dashboard rl_groups since 10**30", dashboard("runs/{run}/rl_groups", since=HUGE), ("since",)),
+    Attack("dashboard usage days 10**30", dashboard("usage", days=HUGE), ("days",)),
+    Attack("dashboard usage days 0", dashboard("usage", days=0), ("days",)),
+    Attack("dashboard runs tenant of 1000 characters", dashboard("runs", tenant="t" * 1000), ("tenant",)),
+    Attack("dashboard runs include_deleted a word", dashboard("runs", include_deleted="maybe"), ("include_deleted",)),
+    Attack("dashboard run of a 4 KB id", lambda t: {"method": "GET", "url": f"/dashboard/api/runs/{'x' * 4096}"},
+           ("run_id",)),
+    Attack("dashboard trajectory of a 4 KB id", lambda t: {
+        "method": "GET", "url": f"/dashboard/api/runs/{t.model_id}/trajectories/{'x' * 4096}"}, ("session_id",)),
 ]
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from api.app import create_app
 from service.settings import Settings
+from tests.reliability.checks import SHORT
 from tests.reliability.client import PROTOBUF, forward_backward_body
 from tests.reliability.world import World
 
@@ -20,6 +21,10 @@ CHECKPOINT = f"{V1}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}"
 TRAJECTORY = f"{V1}/rollouts/trajectories/{{session_id}}"
 OAI = "/oai/api/v1"
 ANY_METHOD = ("GET", "POST", "PUT", "PATCH", "DELETE")
+DASH = "/dashboard"
+DASH_API = f"{DASH}/api"
+MOUNTS = {("Mount", f"{DASH}/static")}
+PAGE = 4096  # the dashboard's login form (~1.2 KB) or a page's shell (~2.6 KB): a template, with no data
 OAI_SAMPLE = {"max_tokens": 2, "temperature": 0.0}
 
 
@@ -37,6 +42,9 @@ class Example:
     owner_status: frozenset[int] = frozenset({200})
     other_status: frozenset[int] = frozenset({404})
     needs_sampler: bool = False  # served only where vLLM runs
+    # the most bytes a refusal (401, and another tenant's 404) may have: an API's is a sentence; an
+    # HTML page's is the login form or the page's empty shell (PAGE), never data
+    refusal_bytes: int = SHORT
 
 
 def call_of(route: tuple[str, str], example: Example, world: World, seq_id: int) -> dict[str, Any]:
@@ -45,11 +53,19 @@ def call_of(route: tuple[str, str], example: Example, world: World, seq_id: int)
     params = example.params(world)
     call: dict[str, Any] = {"method": method, "url": re.sub(r"{(\w+)(:\w+)?}", lambda m: params[m[1]], path)}
     body = example.body(world, seq_id) if example.body else None
+    if route in MOUNTS:  # a mount has no methods of its own: a GET of one of its files
+        call |= {"method": "GET", "url": f"{call['url']}/{params['file']}"}
     if isinstance(body, bytes):
         call |= {"content": body, "headers": PROTOBUF}
+    elif isinstance(body, Form):
+        call["data"] = dict(body)
     elif body is not None:
         call["json"] = body
     return call
+
+
+class Form(dict):
+    """A body sent as an HTML form (application/x-www-form-urlencoded), as a browser's login is."""
 
 
 def checkpoint(tinker_path: str) -> dict[str, str]:
@@ -149,9 +165,58 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("POST", f"{OAI}/completions"): Example(OWNED, body=lambda w, seq: {
         "model": w.ids.sampler_weights, "prompt": [5, 6, 7], **OAI_SAMPLE}, needs_sampler=True),
     ("GET", f"{OAI}/models"): Example(TENANT),
-    **{(method, f"{OAI}/{{route:path}}"): Example(TENANT, lambda w: {"route": "responses"},
+    ("POST", f"{OAI}/responses"): Example(OWNED, body=lambda w, seq: {
+        "model": w.ids.sampler_weights, "input": "hi", "max_output_tokens": 2, "temperature": 0.0},
+        needs_sampler=True),
+    # a stored response of the owner's is not in the world: another tenant's is checked in tests/inference
+    ("GET", f"{OAI}/responses/{{response_id}}"): Example(TENANT, lambda w: {"response_id": "resp_none"},
+                                                         owner_status=frozenset({404})),
+    ("POST", "/anthropic/v1/messages"): Example(OWNED, body=lambda w, seq: {
+        "model": w.ids.sampler_weights, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "temperature": 0.0}, needs_sampler=True),
+    ("POST", "/anthropic/v1/messages/count_tokens"): Example(OWNED, body=lambda w, seq: {
+        "model": w.ids.sampler_weights, "messages": [{"role": "user", "content": "hi"}]}),
+
+    # client metrics of a run (api/routes/run_metrics.py), logged by the SDK's log_metrics
+    ("POST", f"{V1}/training_runs/{{run_id}}/metrics"): Example(OWNED, lambda w: {"run_id": w.ids.model}, fixed({
+        "metrics": {"reward/mean": 0.25}, "step": 1})),
+
+    # the dashboard (api/dashboard/, docs/dashboard.md). Its JSON API takes the key as X-API-Key (as the
+    # matrix sends it) as well as the login cookie; a revoked key or a disabled tenant's is refused either way.
+    ("GET", f"{DASH_API}/me"): Example(TENANT),
+    ("GET", f"{DASH_API}/runs"): Example(TENANT),
+    ("GET", f"{DASH_API}/usage"): Example(TENANT),
+    ("GET", f"{DASH_API}/admin/overview"): Example(TENANT, owner_status=frozenset({403})),  # operator keys only
+    ("GET", f"{DASH_API}/runs/{{run_id}}"): Example(OWNED, lambda w: {"run_id": w.ids.model}),
+    # the owner's run has service points (its forward_backward and optim_step) and a client metric (world.py)
+    ("GET", f"{DASH_API}/runs/{{run_id}}/metrics"): Example(OWNED, lambda w: {"run_id": w.ids.model}),
+    ("GET", f"{DASH_API}/runs/{{run_id}}/requests"): Example(OWNED, lambda w: {"run_id": w.ids.model}),
+    ("GET", f"{DASH_API}/runs/{{run_id}}/rl_groups"): Example(OWNED, lambda w: {"run_id": w.ids.model}),
+    ("GET", f"{DASH_API}/runs/{{run_id}}/trajectories/{{session_id}}"): Example(
+        OWNED, lambda w: {"run_id": w.ids.model, "session_id": w.ids.run_trajectory}),
+    # login takes the key from its form, not a header: open to anyone, and the owner's key in the form
+    # logs anyone in (303 to the dashboard); a wrong key there is tests/dashboard's. Logout needs no session.
+    ("POST", f"{DASH}/login"): Example(PUBLIC, body=lambda w, seq: Form(api_key=w.keys["owner"]),
+                                       owner_status=frozenset({303})),
+    ("POST", f"{DASH}/logout"): Example(PUBLIC, owner_status=frozenset({303})),
+    ("GET", f"{DASH}/login"): Example(PUBLIC, owner_status=frozenset({200, 303})),  # 303: logged in already
+    ("Mount", f"{DASH}/static"): Example(PUBLIC, lambda w: {"file": "dashboard.css"}),
+    # the pages: shells whose scripts read the JSON API above (no data in the HTML). Without a live key or
+    # session a page answers 401 with the login form, a browser's way back in; another tenant's run page
+    # is the shell with 404, as for a run of nobody's. The landing page is the login form itself then (200):
+    # anyone gets a 200 page there, and what it lists comes from /dashboard/api/runs, checked above.
+    ("GET", DASH): Example(PUBLIC),
+    ("GET", f"{DASH}/"): Example(PUBLIC),
+    ("GET", f"{DASH}/compare"): Example(TENANT, refusal_bytes=PAGE),
+    ("GET", f"{DASH}/usage"): Example(TENANT, refusal_bytes=PAGE),
+    ("GET", f"{DASH}/admin"): Example(TENANT, owner_status=frozenset({403}), refusal_bytes=PAGE),
+    ("GET", f"{DASH}/runs/{{run_id}}"): Example(OWNED, lambda w: {"run_id": w.ids.model}, refusal_bytes=PAGE),
+    ("GET", f"{DASH}/runs/{{run_id}}/trajectories/{{session_id}}"): Example(
+        OWNED, lambda w: {"run_id": w.ids.model, "session_id": w.ids.run_trajectory}, refusal_bytes=PAGE),
+
+    **{(method, f"{OAI}/{{route:path}}"): Example(TENANT, lambda w: {"route": "embeddings"},
                                                   owner_status=frozenset({404})) for method in ANY_METHOD},
-    **{(method, "/anthropic/{route:path}"): Example(TENANT, lambda w: {"route": "v1/messages"},
+    **{(method, "/anthropic/{route:path}"): Example(TENANT, lambda w: {"route": "v1/models"},
                                                     owner_status=frozenset({404})) for method in ANY_METHOD},
 }
 

@@ -2,7 +2,8 @@
 
 The owner is served; another tenant gets 404 worded exactly as for an id that exists nowhere (so
 a 404 tells nothing about other tenants' ids); no key, a revoked key and a disabled tenant's key
-get 401, worded as for a key never issued. Public routes (bootstrap, documentation, metrics) are
+get 401, worded as for a key never issued; both refusals are short (an HTML page's: its login form
+or its empty shell, `Example.refusal_bytes`). Public routes (bootstrap, documentation, metrics) are
 declared so in the table. A route without an example request in tests/reliability/examples.py
 fails here.
 """
@@ -13,7 +14,6 @@ import secrets
 
 import pytest
 
-from tests.reliability.checks import SHORT
 from tests.reliability.client import send
 from tests.reliability.examples import EXAMPLES, OWNED, PUBLIC, TENANT, bare_app, call_of, route_table
 from tests.reliability.world import IDENTITIES, World, build_world
@@ -79,7 +79,7 @@ def test_access(route, identity, request, world_of):
         return
     if identity in ("none", "revoked", "disabled"):
         assert response.status_code == 401, seen
-        assert len(response.content) < SHORT, seen
+        assert len(response.content) < example.refusal_bytes, seen
         if identity != "none":  # a revoked or disabled key reads exactly like a key never issued
             unknown = send(world.base_url, f"tml-{secrets.token_urlsafe(32)}", call_of(route, example, world, seq))
             assert (unknown.status_code, unknown.text) == (response.status_code, response.text)
@@ -99,4 +99,4 @@ def test_access(route, identity, request, world_of):
     assert twin.status_code == response.status_code, f"{twin.status_code} {twin.text[:300]!r}"
     assert world.ids.normalize(response.text) == missing.ids.normalize(twin.text), \
         "another tenant's id and an id that exists nowhere must read the same"
-    assert len(response.content) < SHORT, seen
+    assert len(response.content) < example.refusal_bytes, seen

@@ -1,7 +1,8 @@
 """What the authorization matrix acts on: five callers (the owner, another tenant, no key, the
 owner's revoked key, a disabled tenant's key) and the owner's resources of every kind a route can
 name: sessions, a trained model, training and sampler checkpoints, a sampler, a finished request,
-trajectories of the rollout store.
+trajectories of the rollout store (one sampled from the model's snapshot, as the dashboard shows
+a run's), a client metric logged on the model.
 
 Tenants and keys come from service/tenants.py; revoking a key and disabling a tenant go through
 `loraplex-admin` (admin/cli.py), the operator's commands, since service/tenants.py has no function
@@ -40,6 +41,7 @@ class Ids:
     sampler: str
     trajectory: str  # a rollout-store trajectory (session id) with a reward
     delete_trajectory: str  # deleted by the matrix
+    run_trajectory: str  # a trajectory sampled from sampler_weights (the model's snapshot at step 1)
 
     def missing(self) -> "Ids":
         """Ids of the same form that name nothing: another tenant must not tell them from ours."""
@@ -49,7 +51,7 @@ class Ids:
                    checkpoint=f"tinker://{model}/weights/c1", publish_checkpoint=f"tinker://{model}/weights/pub",
                    delete_checkpoint=f"tinker://{model}/weights/del",
                    sampler_weights=f"tinker://{model}/sampler_weights/sw", sampler=f"{session}:sample:0",
-                   trajectory=new_id(), delete_trajectory=new_id())
+                   trajectory=new_id(), delete_trajectory=new_id(), run_trajectory=new_id())
 
     def normalize(self, text: str) -> str:
         """`text` with every id replaced by its name (longest first: a model id holds its session id)."""
@@ -106,6 +108,8 @@ def build_world(server) -> World:
     for request_id in pending:
         api.result(request_id)
     sampler_weights = f"tinker://{model}/sampler_weights/sw"
+    logged = api.post(f"training_runs/{model}/metrics", json={"metrics": {"eval/accuracy": 0.5}, "step": 1})
+    assert logged.status_code == 200, logged.text
     created = api.post("create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
                                                         "model_path": sampler_weights})
     assert created.status_code == 200, created.text
@@ -114,16 +118,19 @@ def build_world(server) -> World:
               checkpoint=f"tinker://{model}/weights/c1", publish_checkpoint=f"tinker://{model}/weights/pub",
               delete_checkpoint=f"tinker://{model}/weights/del", sampler_weights=sampler_weights,
               sampler=created.json()["sampling_session_id"], trajectory=_trajectory(server, owner_id, reward=1.0),
-              delete_trajectory=_trajectory(server, owner_id))
+              delete_trajectory=_trajectory(server, owner_id),
+              run_trajectory=_trajectory(server, owner_id, reward=0.5, sampler_path=sampler_weights))
     keys = {"owner": owner_key, "other": other_key, "none": None, "revoked": revoked_key, "disabled": disabled_key}
     return World(server.base_url, keys, ids, owner_id, itertools.count(7))
 
 
-def _trajectory(server, tenant_id: str, reward: float | None = None) -> str:
+def _trajectory(server, tenant_id: str, reward: float | None = None, sampler_path: str | None = None) -> str:
     """A one-turn trajectory in the owner's rollout store, written as the inference API writes one
-    (no sampler needed: the matrix's own calls of those routes record more)."""
-    turn = rollouts.NewTurn(id=new_id(), api="completions", model="tiny", sampler_path=None, adapter_path=None,
-                            policy_version=None, request_id=new_id(), prompt=[5, 6, 7],
+    (no sampler needed: the matrix's own calls of those routes record more); with `sampler_path`, as
+    sampled from that snapshot of the model (at step 1, after the world's optim_step)."""
+    turn = rollouts.NewTurn(id=new_id(), api="completions", model=sampler_path or "tiny", sampler_path=sampler_path,
+                            adapter_path=None, policy_version=1 if sampler_path else None, request_id=new_id(),
+                            prompt=[5, 6, 7],
                             choices=[rollouts.SampledChoice([8, 9], [-1.0, -2.0], "length")],
                             request_body={"model": "tiny", "prompt": [5, 6, 7]}, response_body={})
     session_id, _ = rollouts.record_turn(server.embedded.sessions, tenant_id, None, turn)

@@ -41,6 +41,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import Path
 
 from contract.errors import EngineError, InvalidInputError
@@ -57,6 +58,7 @@ from workers.trainer.inputs import ForwardBackwardInput, from_wire
 from workers.trainer.live_slots import LiveStateError
 from workers.trainer.live_state import LiveStates
 from workers.trainer.parts import SplitRun
+from workers.trainer.run_metrics import forward_backward_metrics, optim_step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class InProcessExecutor:
         # model -> {request id: outcome} of the last cycle that ran the model, while its outcomes may not be
         # committed yet (`answer_resent`). One cycle per model: a few outcomes each, logprobs included.
         self.answer_resent = answer_resent
+        self.capture_metrics = True  # the dashboard's numbers on each outcome (off: benchmarks/metric_capture.py)
         self._last_cycle: dict[str, dict[str, Outcome]] = {}
         self._lock = threading.RLock()  # the engine's: held while a cycle or an eviction runs
         self._compute = compute
@@ -281,18 +284,26 @@ class InProcessExecutor:
         except Exception as e:  # a bug or resource failure: every request of the batch fails, clearly
             log.exception("batched forward_backward failed")
             results = [EngineError(f"forward_backward failed: {e}")] * len(runs)
-        for (job, _, split), result in zip(runs, results):
+        for (job, engine_request, split), result in zip(runs, results):
             if isinstance(result, EngineError):
                 outcomes[job.request.id] = Outcome.failed(str(result), result.category)
                 if split is not None:  # the request fails whole; its earlier parts' gradients stay, as a
                     del self._splits[job.request.model_id]  # failed batch's earlier passes' do
             elif split is None:
-                outcomes[job.request.id] = encoded(result)
+                outcomes[job.request.id] = self._with_metrics(encoded(result), engine_request, result)
             else:
                 split.add(result)
-                outcomes[job.request.id] = (encoded(split.result()) if split.complete
-                                            else Outcome(progress=split.progress))
+                whole = split.result() if split.complete else None
+                outcomes[job.request.id] = (self._with_metrics(encoded(whole), split.prepared.request, whole)
+                                            if whole is not None else Outcome(progress=split.progress))
         return outcomes
+
+    def _with_metrics(self, outcome: Outcome, request: ForwardBackwardInput, result: EngineOutput) -> Outcome:
+        """A forward_backward's outcome with the dashboard's numbers (forward-only requests train nothing)."""
+        if not self.capture_metrics or request.forward_only or request.adapter_id not in self.engine.adapters:
+            return outcome
+        step = self.engine.adapters[request.adapter_id].step
+        return replace(outcome, metrics=forward_backward_metrics(request, result, step))
 
     def _next_part(self, job: Job) -> ForwardBackwardInput | Outcome:
         """The engine input of a request's next part, or its answer without running anything: a part
@@ -331,7 +342,8 @@ class InProcessExecutor:
                 outcomes[job.request.id] = Outcome.failed(str(result), result.category)
                 continue
             self.live.stepped(job.request.model_id, job.request.seq_id)
-            outcomes[job.request.id] = Outcome.json({"metrics": {f"{k}:mean": v for k, v in result.items()}})
+            outcomes[job.request.id] = replace(Outcome.json({"metrics": {f"{k}:mean": v for k, v in result.items()}}),
+                                               metrics=optim_step_metrics(result) if self.capture_metrics else None)
         return outcomes
 
     def _guarded(self, fn, job: Job) -> Outcome:

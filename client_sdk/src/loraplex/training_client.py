@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -151,6 +153,20 @@ class TrainingClient:
     def get_info(self) -> dict:
         return self.service.call("POST", "/get_info", {"model_id": self.model_id, "type": "get_info"})
 
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> dict:
+        """Store numbers only the client knows (rewards, evals) with this run, charted by the service's
+        dashboard beside its own (docs/dashboard.md): up to 64 names of 1..128 characters from
+        `A-Za-z0-9_./:-`, finite values. `step`: the optimizer step they belong to (None: the run's
+        step now, as the server has it). Logging a name again at a step replaces its value."""
+        values = {}
+        for name, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"metrics[{name!r}]: must be a finite number, got {value!r}")
+            values[name] = float(value)
+        return self.service.call("POST", f"/training_runs/{quote(self.model_id, safe=':')}/metrics",
+                                 {"metrics": values, "step": step})
+
     def get_tokenizer(self):
         """The base model's tokenizer (needs transformers), pulled from the server into the local
         Hugging Face cache under its hub id if it is not there yet (loraplex.tokenizers)."""
@@ -180,6 +196,11 @@ class TrainingClient:
 
     async def save_weights_for_sampler_async(self, *args, **kwargs) -> APIFuture[SaveWeightsResponse]:
         return self.save_weights_for_sampler(*args, **kwargs)
+
+    async def log_metrics_async(self, metrics: Mapping[str, float], step: int | None = None) -> dict:
+        import asyncio
+
+        return await asyncio.to_thread(self.log_metrics, metrics, step)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> "SamplingClient":
         import asyncio

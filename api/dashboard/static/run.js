@@ -1,0 +1,163 @@
+"use strict";
+// One run: every series on the optimizer-step axis, RL groups per step, recent failed requests.
+// Polls with ?since=last_step-1 and replaces the points it holds at those steps (the newest step
+// may still change, docs/dashboard.md).
+(() => {
+  const {el, number} = Dash;
+  const runId = Dash.scriptData().runId;
+  const base = `/runs/${encodeURIComponent(runId)}`;
+
+  // The service's own series (no client code needed), one chart each or a few together.
+  const SERVICE_CHARTS = [
+    {id: "chart-loss", title: "Loss per token", unit: "nats/token", series: [["loss", "loss"]]},
+    {id: "chart-grad-norm", title: "Gradient norm (before clipping)", series: [["grad_norm", "grad norm"]]},
+    {id: "chart-learning-rate", title: "Learning rate", series: [["learning_rate", "learning rate"]]},
+    {id: "chart-tokens", title: "Tokens trained per step", unit: "tokens", series: [["tokens", "tokens"]]},
+    {id: "chart-stall", title: "Stall time per step", unit: "s", series: [
+      ["train/queue_seconds", "trainer: queue wait"], ["train/compute_seconds", "trainer: compute"],
+      ["sample/seconds", "sampler: wait + compute"]]},
+    {id: "chart-sampler-throughput", title: "Sampler throughput", unit: "tokens/s",
+     series: [["sample/tokens_per_second", "tokens/s"]]},
+    {id: "chart-sampled-tokens", title: "Tokens sampled from each snapshot", unit: "tokens",
+     series: [["sample/tokens", "tokens"]]},
+    {id: "chart-staleness", title: "Policy staleness", unit: "steps", series: [["staleness", "steps behind"]]},
+    {id: "chart-entropy", title: "Entropy of sampled tokens", unit: "nats/token", series: [["entropy", "entropy"]]},
+    {id: "chart-logprob-gap", title: "Sampler–trainer logprob gap", unit: "nats",
+     series: [["logprob_gap/mean_abs", "mean |diff|"], ["logprob_gap/kl", "KL (k3)"]]},
+    {id: "chart-prefix-overlap", title: "Prefix overlap of RL groups", unit: "fraction",
+     series: [["prefix_overlap", "overlap"]]},
+  ];
+  const SERVICE_NAMES = new Set(SERVICE_CHARTS.flatMap((c) => c.series.map(([name]) => name)));
+
+  const chartsNode = document.getElementById("charts");
+  const clientNote = document.getElementById("no-client-metrics");
+  const clientNode = document.getElementById("client-charts");
+
+  const serviceCharts = SERVICE_CHARTS.map((spec) => ({spec, chart: new Charts.LineChart(chartsNode, {
+    id: spec.id, title: spec.title, unit: spec.unit, series: spec.series.map(([, label]) => ({label}))})}));
+  const clientCharts = new Map();  // group ("reward", "eval", ...) -> LineChart
+  const otherCharts = new Map();  // a service series this page does not know yet -> its own chart
+
+  const points = new Map();  // series name -> Map(step -> value)
+  const units = new Map();  // series name -> unit
+  const clientNames = new Set();
+  let lastStep = -1;
+
+  function merge(series, since) {
+    for (const [name, {points: list, source, unit}] of Object.entries(series)) {
+      if (source === "client") clientNames.add(name);
+      units.set(name, unit);
+      if (!points.has(name)) points.set(name, new Map());
+      const held = points.get(name);
+      for (const step of [...held.keys()]) if (step > since) held.delete(step);
+      for (const [step, value] of list) held.set(step, value);
+    }
+  }
+
+  function draw(chart, names, labels) {
+    const {xs, ys} = Charts.align(names.map((name) => [...(points.get(name) || new Map()).entries()]));
+    chart.setData(xs, ys, labels.map((label) => ({label})));
+  }
+
+  function drawClientCharts() {
+    const groups = new Map();
+    for (const name of [...clientNames].sort()) {
+      const group = name.includes("/") ? name.slice(0, name.indexOf("/")) : name;
+      if (!groups.has(group)) groups.set(group, []);
+      groups.get(group).push(name);
+    }
+    clientNote.hidden = groups.size > 0;
+    for (const [group, names] of groups) {
+      if (!clientCharts.has(group)) {
+        clientCharts.set(group, new Charts.LineChart(clientNode, {id: `chart-client-${group.replace(/[^\w-]/g, "_")}`,
+          title: group, series: names.map((label) => ({label}))}));
+      }
+      draw(clientCharts.get(group), names, names);
+    }
+  }
+
+  async function refreshMetrics() {
+    const since = Math.max(-1, lastStep - 1);
+    const answer = await Dash.getJSON(`${base}/metrics?since=${since}`);
+    merge(answer.series, since);
+    lastStep = Math.max(lastStep, answer.last_step);
+    for (const {spec, chart} of serviceCharts) draw(chart, spec.series.map(([name]) => name), spec.series.map(([, l]) => l));
+    drawClientCharts();
+    for (const name of [...points.keys()].filter((n) => !SERVICE_NAMES.has(n) && !clientNames.has(n))) {
+      if (!otherCharts.has(name)) {
+        otherCharts.set(name, new Charts.LineChart(chartsNode, {id: `chart-${name.replace(/[^\w-]/g, "_")}`,
+          title: name, unit: units.get(name), series: [{label: name}]}));
+      }
+      draw(otherCharts.get(name), [name], [name]);
+    }
+  }
+
+  // RL groups: per-step charts and the latest steps' groups with links to their trajectories.
+  const groupNode = document.getElementById("group-charts");
+  const rewardChart = new Charts.LineChart(groupNode, {id: "chart-group-reward", title: "Reward of sampled groups",
+    series: [{label: "best"}, {label: "mean"}, {label: "worst"}]});
+  const outcomeChart = new Charts.LineChart(groupNode, {id: "chart-group-outcomes", title: "Groups by outcome",
+    unit: "fraction", series: [{label: "all good"}, {label: "all bad"}, {label: "mixed"}]});
+  const lengthChart = new Charts.LineChart(groupNode, {id: "chart-output-length", title: "Average output length",
+    unit: "tokens", series: [{label: "tokens"}]});
+  const groupSteps = new Map();  // step -> the API's step entry
+  let lastGroupStep = -1;
+
+  function groupRows() {
+    const steps = [...groupSteps.keys()].sort((a, b) => b - a).slice(0, 5);
+    return steps.flatMap((step) => groupSteps.get(step).groups.map((group) => {
+      const sessions = [...new Set(group.members.map((m) => m.session_id))];
+      const links = sessions.map((session) => el("a", {
+        className: "tag", href: `${Dash.runUrl(runId)}/trajectories/${encodeURIComponent(session)}`}, session));
+      const reward = group.reward || {};
+      return el("tr", {},
+        el("td", {className: "num"}, step), el("td", {}, group.outcome.replace("_", " ")),
+        el("td", {className: "num"}, group.size), el("td", {className: "num"}, number(reward.best)),
+        el("td", {className: "num"}, number(reward.mean)), el("td", {className: "num"}, number(reward.worst)),
+        el("td", {className: "num"}, number(group.mean_output_tokens)), el("td", {}, links));
+    }));
+  }
+
+  async function refreshGroups() {
+    const since = Math.max(-1, lastGroupStep - 1);
+    const answer = await Dash.getJSON(`${base}/rl_groups?since=${since}`);
+    for (const step of [...groupSteps.keys()]) if (step > since) groupSteps.delete(step);
+    for (const entry of answer.steps) {
+      groupSteps.set(entry.step, entry);
+      lastGroupStep = Math.max(lastGroupStep, entry.step);
+    }
+    const steps = [...groupSteps.keys()].sort((a, b) => a - b);
+    const column = (pick) => steps.map((s) => pick(groupSteps.get(s)) ?? null);
+    rewardChart.setData(steps, ["best", "mean", "worst"].map((k) => column((e) => e.reward && e.reward[k])));
+    outcomeChart.setData(steps, ["all_good", "all_bad", "mixed"].map((k) => column((e) => e.reward && e.fractions[k])));
+    lengthChart.setData(steps, [column((e) => e.mean_output_tokens)]);
+    Dash.fillTable(document.querySelector("#groups tbody"), groupRows(), document.getElementById("no-groups"));
+  }
+
+  async function refreshFailed() {
+    const {requests} = await Dash.getJSON(`${base}/requests?state=failed&limit=20`);
+    const rows = requests.map((r) => el("tr", {dataset: {requestId: r.request_id}},
+      el("td", {title: r.request_id}, Dash.time(r.finished_at || r.created_at)), el("td", {}, r.kind),
+      el("td", {className: "num"}, r.seq_id ?? "–"), el("td", {}, r.error_category || "–"),
+      el("td", {className: "error-text"}, r.error || "")));
+    Dash.fillTable(document.querySelector("#failed tbody"), rows, document.getElementById("no-failed"));
+  }
+
+  async function refreshSummary() {
+    const run = await Dash.getJSON(base);
+    const checkpoints = run.checkpoints.length ? `${run.checkpoints.length} checkpoints` : "no checkpoints";
+    document.getElementById("run-summary").textContent = [
+      run.status, run.base_model, `rank ${run.lora_rank}`, `${run.steps} steps`,
+      `last activity ${Dash.ago(run.last_activity)}`, checkpoints].join(" · ");
+  }
+
+  Dash.poll(async () => {
+    try {
+      await refreshSummary();
+    } catch (error) {
+      if (error.status === 404) Dash.showError(document.getElementById("run-error"), error);
+      throw error;
+    }
+    await Promise.all([refreshMetrics(), refreshGroups(), refreshFailed()]);
+  });
+})();

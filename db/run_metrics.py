@@ -1,0 +1,182 @@
+"""Training runs' metrics for the dashboard: what the service measured (stored with each outcome),
+what the client logged, and both read back as series on one step axis (docs/dashboard.md).
+
+Writes happen where the numbers appear: the scheduler stores a forward_backward's or optim_step's
+`Outcome.metrics` with the outcome (workers/trainer/run_metrics.py computes them on the trainer, in
+embedded and distributed mode alike), the sampling dispatcher a sample's tokens and logprobs, the
+rollouts route the policy versions of the trajectories it turns into datums. Rows hold sums; reads
+add a step's rows up and divide once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from contract.kinds import RequestKind
+from contract.queue import Outcome, QueuedRequest
+from db.models import Checkpoint, ClientMetric, Request, Sampler, ServiceMetric, TrainingModel, utcnow
+
+ROLLOUT_DATUMS = "rollout_datums"  # the source of staleness rows
+
+# name -> (unit, how a step's summed numbers give it)
+SERVICE_SERIES = {
+    "loss": ("nats/token", lambda n: n["loss_sum"] / n["tokens"] if n.get("tokens") else None),
+    "tokens": ("tokens", lambda n: n.get("tokens")),
+    "grad_norm": ("", lambda n: n.get("grad_norm")),
+    "learning_rate": ("", lambda n: n.get("learning_rate")),
+    "train/queue_seconds": ("s", lambda n: n.get("train_queue_seconds")),
+    "train/compute_seconds": ("s", lambda n: n.get("train_compute_seconds")),
+    "logprob_gap/mean_abs": ("nats", lambda n: n["gap_abs_sum"] / n["gap_tokens"] if n.get("gap_tokens") else None),
+    "logprob_gap/kl": ("nats", lambda n: n["gap_k3_sum"] / n["gap_tokens"] if n.get("gap_tokens") else None),
+    "prefix_overlap": ("fraction", lambda n: n["shared_tokens"] / n["input_tokens"] if n.get("input_tokens") else None),
+    "sample/tokens": ("tokens", lambda n: n.get("sample_tokens")),
+    "sample/tokens_per_second": ("tokens/s", lambda n: n["sample_tokens"] / n["sample_seconds"]
+                                 if n.get("sample_seconds") else None),
+    "sample/seconds": ("s", lambda n: n.get("sample_seconds")),
+    "entropy": ("nats/token", lambda n: -n["logprob_sum"] / n["logprob_tokens"] if n.get("logprob_tokens") else None),
+    "staleness": ("steps", lambda n: n["staleness_sum"] / n["trajectories"] if n.get("trajectories") else None),
+}
+
+
+# --- writing -----------------------------------------------------------------------------------------
+
+
+def outcome_rows(requests: Iterable[QueuedRequest], outcomes: dict[str, Outcome]) -> list[dict]:
+    """Rows for the outcomes that carry metrics (the scheduler inserts them with the outcomes)."""
+    rows = []
+    for q in requests:
+        outcome = outcomes.get(q.id)
+        if outcome is None or not outcome.metrics or outcome.error:
+            continue
+        numbers = {k: v for k, v in outcome.metrics.items() if math.isfinite(v)}  # JSON holds no inf or NaN
+        step = int(numbers.pop("step"))
+        rows.append({"tenant_id": q.tenant_id, "run_id": q.model_id, "source": str(q.kind), "request_id": q.id,
+                     "step": step, "numbers": numbers})
+    return rows
+
+
+def store_outcomes(s: Session, requests: Iterable[QueuedRequest], outcomes: dict[str, Outcome]) -> None:
+    """Insert the rows of `outcome_rows` in the caller's transaction (a Core insert: about a fifth of a
+    millisecond for a cycle's rows, on the request's latency path)."""
+    rows = outcome_rows(requests, outcomes)
+    if rows:
+        s.execute(ServiceMetric.__table__.insert(), rows)
+
+
+def run_of_snapshot(s: Session, tenant_id: str, adapter_path: str | None, sampler_id: str | None) -> str | None:
+    """The tenant's own training run whose sampler snapshot folder this is: by the checkpoint that
+    holds the folder now, else by the sampler's tinker:// path (a later save under the same name
+    moved the checkpoint to a new folder). None: the base model, or another tenant's published
+    snapshot (its owner is not shown who samples it)."""
+    if adapter_path is None:
+        return None
+    run_id = s.scalar(sa.select(Checkpoint.model_id).where(Checkpoint.storage_path == adapter_path,
+                                                           Checkpoint.tenant_id == tenant_id).limit(1))
+    if run_id is None and sampler_id is not None:
+        model_path = s.scalar(sa.select(Sampler.model_path).where(Sampler.id == sampler_id,
+                                                                   Sampler.adapter_path == adapter_path))
+        if model_path and model_path.startswith("tinker://"):
+            owner = model_path.removeprefix("tinker://").split("/", 1)[0]
+            run_id = s.scalar(sa.select(TrainingModel.id).where(TrainingModel.id == owner,
+                                                                TrainingModel.tenant_id == tenant_id))
+    return run_id
+
+
+def record_sample(s: Session, row: Request, adapter_path: str | None, policy_version: int | None,
+                  sequences: Sequence) -> None:
+    """A finished sample of a run's snapshot: its generated tokens, the sum of their logprobs (the
+    entropy estimate) and its time from acceptance to now. Added to the caller's transaction."""
+    run_id = run_of_snapshot(s, row.tenant_id, adapter_path, row.model_id)
+    if run_id is None or policy_version is None:
+        return
+    logprobs = [float(lp) for seq in sequences for lp in (seq.logprobs if seq.logprobs is not None else ())]
+    finite = [lp for lp in logprobs if math.isfinite(lp)]
+    s.add(ServiceMetric(tenant_id=row.tenant_id, run_id=run_id, source=RequestKind.SAMPLE, request_id=row.id,
+                        step=policy_version, numbers={
+                            "sample_tokens": sum(len(seq.tokens) for seq in sequences),
+                            "sample_seconds": (utcnow() - row.created_at).total_seconds(),
+                            "logprob_sum": sum(finite), "logprob_tokens": len(finite)}))
+
+
+def current_step(s: Session, run_id: str) -> int:
+    """The run's optimizer steps so far, as its optim_steps reported them (0 before the first)."""
+    return int(s.scalar(sa.select(sa.func.coalesce(sa.func.max(ServiceMetric.step), 0)).where(
+        ServiceMetric.run_id == run_id, ServiceMetric.source == RequestKind.OPTIM_STEP)))
+
+
+def record_staleness(s: Session, tenant_id: str, session_id: str,
+                     turns: Sequence[tuple[str | None, int | None]]) -> None:
+    """A trajectory turned into training datums: for each of the tenant's runs whose snapshots sampled
+    it, the run's steps since the oldest of those snapshots (0: sampled by the newest). It counts at
+    the step the datums feed (the run's step now + 1); fetching the datums again replaces the record.
+    `turns`: (tinker:// sampler path, policy version) of each turn. Commits."""
+    oldest: dict[str, int] = {}
+    for sampler_path, version in turns:
+        if sampler_path is None or version is None or not sampler_path.startswith("tinker://"):
+            continue  # the base model: no run, no staleness
+        run_id = sampler_path.removeprefix("tinker://").split("/", 1)[0]
+        oldest[run_id] = min(version, oldest.get(run_id, version))
+    owned = set(s.scalars(sa.select(TrainingModel.id).where(TrainingModel.id.in_(list(oldest)),
+                                                            TrainingModel.tenant_id == tenant_id))) if oldest else set()
+    for run_id in sorted(owned):  # (a public snapshot of another tenant's run is not this tenant's to chart)
+        now = current_step(s, run_id)
+        s.execute(sa.delete(ServiceMetric).where(ServiceMetric.run_id == run_id, ServiceMetric.source == ROLLOUT_DATUMS,
+                                                 ServiceMetric.request_id == session_id))
+        s.add(ServiceMetric(tenant_id=tenant_id, run_id=run_id, source=ROLLOUT_DATUMS, request_id=session_id,
+                            step=now + 1, numbers={"trajectories": 1, "staleness_sum": max(0, now - oldest[run_id])}))
+    s.commit()
+
+
+def store_client_metrics(s: Session, tenant_id: str, run_id: str, step: int, metrics: dict[str, float]) -> None:
+    """Logged again at a step, a name's value is replaced. Commits."""
+    s.execute(sa.delete(ClientMetric).where(ClientMetric.run_id == run_id, ClientMetric.step == step,
+                                            ClientMetric.name.in_(list(metrics))))
+    s.add_all(ClientMetric(run_id=run_id, name=name, step=step, tenant_id=tenant_id, value=value)
+              for name, value in metrics.items())
+    s.commit()
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+
+def seconds_between(later, earlier) -> float | None:
+    return (later - earlier).total_seconds() if later is not None and earlier is not None else None
+
+
+def series(s: Session, run_id: str, since: int = -1) -> dict:
+    """Every series of the run with step > since: {"last_step", "series": {name: {unit, source, points}}}.
+    The service's points of a step appear once its optim_step is done (before, its forward_backwards
+    are still adding up); the client's as logged."""
+    sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    rows = s.execute(
+        sa.select(ServiceMetric.source, ServiceMetric.step, ServiceMetric.numbers,
+                  Request.created_at, Request.started_at, Request.finished_at)
+        .outerjoin(Request, Request.id == ServiceMetric.request_id)
+        .where(ServiceMetric.run_id == run_id, ServiceMetric.step > since,
+               ServiceMetric.step <= current_step(s, run_id)))
+    for source, step, numbers, created, started, finished in rows:
+        step_sums = sums[step]
+        for name, value in numbers.items():
+            step_sums[name] += value
+        if source in (RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP):
+            step_sums["train_queue_seconds"] += seconds_between(started, created) or 0.0
+            step_sums["train_compute_seconds"] += seconds_between(finished, started) or 0.0
+    out: dict[str, dict] = {}
+    for step in sorted(sums):
+        for name, (unit, value_of) in SERVICE_SERIES.items():
+            value = value_of(sums[step])
+            if value is not None:
+                out.setdefault(name, {"unit": unit, "source": "service", "points": []})["points"].append([step, value])
+    client = s.execute(sa.select(ClientMetric.name, ClientMetric.step, ClientMetric.value)
+                       .where(ClientMetric.run_id == run_id, ClientMetric.step > since)
+                       .order_by(ClientMetric.name, ClientMetric.step))
+    for name, step, value in client:  # a client name that a service series has is shown as client/<name>
+        key = f"client/{name}" if name in SERVICE_SERIES else name
+        out.setdefault(key, {"unit": "", "source": "client", "points": []})["points"].append([step, value])
+    steps = [p[0] for entry in out.values() for p in entry["points"]]
+    return {"last_step": max(steps, default=max(since, 0)), "series": out}

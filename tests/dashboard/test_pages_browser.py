@@ -1,0 +1,282 @@
+"""The dashboard's pages in a real browser: Debian's headless Chromium driven by Playwright, against
+an embedded server (tiny model, vLLM sampler) on which two tenants trained a few real steps through
+the SDK, one of them a small RL loop through the inference API and the rollout store.
+
+LORAPLEX_DASHBOARD_SCREENSHOTS=1 also writes the docs' screenshots (docs/dashboard/*.png) from
+the pages these tests open; without it the tests write nothing. Every page a test opens must
+finish without a script error."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from playwright.sync_api import Page, expect, sync_playwright
+
+import loraplex
+from loraplex import types
+from service.operator_keys import issue_operator_key
+from tests.servers import running_server
+
+pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler (the RL run samples through it)
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (scripts/setup.sh); Playwright downloads no browser
+SCREENSHOTS = Path(__file__).parents[2] / "docs" / "dashboard"
+STEPS = 3
+GROUPS, GROUP_SIZE, MAX_TOKENS = 2, 4, 8  # per RL step
+# A loss name the server refuses, quoting it in its error: the page must show it as text, run nothing.
+HOSTILE_LOSS = "<script>window.injected=1</script><img src=x onerror=window.injected=1>"
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
+                                       "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+
+
+def train_step(training, step: int) -> None:
+    """One real round: forward_backward, optim_step, and the client's own numbers for that step."""
+    training.forward_backward([datum(list(range(10 + step, 40)))], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    training.log_metrics({"reward/mean": 0.2 * step, "eval/accuracy": 0.5 + 0.1 * step}, step=step + 1)
+
+
+def rl_step(training, rollouts, oai, step: int) -> None:
+    """Sample groups from the newest snapshot through the inference API (recorded in the rollout
+    store), reward each sample, train on the stored tokens with importance sampling."""
+    training.save_weights_for_sampler(f"step-{step}").result()
+    datums = []
+    for group in range(GROUPS):
+        session = f"step{step}-group{group}"
+        oai.completions.create(model=f"tinker://{training.model_id}/sampler_weights/@latest",
+                               prompt=[20 + group] + list(range(30, 40)), n=GROUP_SIZE, max_tokens=MAX_TOKENS,
+                               temperature=1.0, seed=10 * step + group, extra_headers={"X-Loraplex-Session": session})
+        for choice in range(GROUP_SIZE):
+            rollouts.set_reward(session, float((choice + step + group) % 3 == 0), turn=0, choice=choice)
+        datums += rollouts.datums(session).datums
+    training.forward_backward(datums, "importance_sampling").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    training.log_metrics({"reward/mean": 0.3 + 0.1 * step}, step=step + 1)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("dashboard")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def world(server):
+    """alice: an SFT run of STEPS steps with client metrics and two refused requests, and an RL run of
+    STEPS steps; bob: a run of one step; an operator key."""
+    keys = SimpleNamespace(alice=server.new_tenant("alice <b>&amp;"), bob=server.new_tenant("bob"))
+    with server.embedded.sessions() as s:
+        keys.operator = issue_operator_key(s)
+    alice = loraplex.ServiceClient(base_url=server.base_url, api_key=keys.alice)
+    bob = loraplex.ServiceClient(base_url=server.base_url, api_key=keys.bob)
+    alice_run = alice.create_lora_training_client("tiny", rank=8, seed=1)
+    for step in range(STEPS):
+        train_step(alice_run, step)
+    for bad in ([datum([1, 2, 3, 10**6])], "cross_entropy"), ([datum([1, 2, 3, 4])], HOSTILE_LOSS):
+        with pytest.raises(loraplex.LoraplexError):
+            alice_run.forward_backward(*bad).result()
+    rl_run = alice.create_lora_training_client("tiny", rank=8, seed=2)
+    rollouts = loraplex.RolloutsClient(alice)
+    oai = openai.OpenAI(base_url=f"{server.base_url}/oai/api/v1", api_key=keys.alice)
+    for step in range(STEPS):
+        rl_step(rl_run, rollouts, oai, step)
+    bob_run = bob.create_lora_training_client("tiny", rank=4, seed=3)
+    train_step(bob_run, 0)
+    yield SimpleNamespace(keys=keys, alice_run=alice_run, rl_run=rl_run, rollouts=rollouts, bob_run=bob_run)
+    alice.close()
+    bob.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `apt-get install chromium` (scripts/setup.sh installs it)")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def open_page(browser, server):
+    """open_page(key): a new browser session (its own cookies), logged in with `key` when one is given.
+    The test fails if a script on any of its pages threw."""
+    errors, contexts = [], []
+
+    def open_page(key: str | None = None) -> Page:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        contexts.append(context)
+        page = context.new_page()
+        page.on("pageerror", lambda error: errors.append(f"{page.url}: {error}"))
+        page.goto(f"{server.base_url}/dashboard")
+        if key is not None:
+            page.fill("#api_key", key)
+            page.click("#login-form button[type=submit]")
+            expect(page.locator("#runs tbody tr").first).to_be_visible()
+        return page
+
+    yield open_page
+    for context in contexts:
+        context.close()
+    assert errors == []
+
+
+def listed_runs(page: Page) -> set[str]:
+    return set(page.locator("#runs tbody tr").evaluate_all("rows => rows.map(r => r.dataset.runId)"))
+
+
+def screenshot(page: Page, name: str) -> None:
+    """docs/dashboard/<name>.png, in 64 colours: a fifth of the bytes, and these pages are flat colours."""
+    if os.environ.get("LORAPLEX_DASHBOARD_SCREENSHOTS"):
+        SCREENSHOTS.mkdir(exist_ok=True)
+        path = SCREENSHOTS / f"{name}.png"
+        page.screenshot(path=path, full_page=True)
+        Image.open(path).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
+def test_each_tenant_sees_only_their_runs(server, world, open_page):
+    alice = open_page(world.keys.alice)
+    expect(alice.locator("#viewer-name")).to_have_text("alice <b>&amp;")  # a tenant's name is text, not markup
+    assert listed_runs(alice) == {world.alice_run.model_id, world.rl_run.model_id}
+    row = alice.locator(f"#runs tbody tr[data-run-id='{world.alice_run.model_id}']")
+    expect(row).to_contain_text("loraplex/tiny")
+    expect(row).to_contain_text("2 failed")
+    rl_row = alice.locator(f"#runs tbody tr[data-run-id='{world.rl_run.model_id}']")
+    expect(rl_row.locator(".tag")).to_have_count(STEPS)  # its sampler checkpoints, with TTL and publish state
+    expect(rl_row.locator(".tag").first).to_contain_text("private")
+    screenshot(alice, "runs")
+
+    bob = open_page(world.keys.bob)
+    assert listed_runs(bob) == {world.bob_run.model_id}
+    response = bob.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")  # alice's run, by its id
+    assert response.status == 404
+    expect(bob.locator("#run-error")).to_contain_text("run_id")
+    expect(bob.locator("#chart-loss")).to_have_attribute("data-points", "0")
+
+
+def test_charts_show_one_point_per_step(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.click(f"a:text-is('{world.alice_run.model_id}')")
+    for chart in ("chart-loss", "chart-grad-norm", "chart-learning-rate", "chart-tokens", "chart-stall",
+                  "chart-client-reward", "chart-client-eval"):
+        expect(page.locator(f"#{chart}")).to_have_attribute("data-points", str(STEPS))
+        expect(page.locator(f"#{chart} canvas")).to_have_count(1)
+    expect(page.locator("#run-summary")).to_contain_text(f"{STEPS} steps")
+
+
+def test_runs_side_by_side(server, world, open_page):
+    page = open_page(world.keys.alice)
+    expect(page.locator("#compare")).to_be_disabled()
+    for run in (world.alice_run, world.rl_run):
+        page.check(f"#runs input[value='{run.model_id}']")
+    page.click("#compare")
+    loss = page.locator("#chart-loss")
+    expect(loss).to_have_attribute("data-points", str(STEPS))  # both runs' steps 1..STEPS on one axis
+    for run in (world.alice_run, world.rl_run):
+        expect(loss.locator(".u-legend .u-label", has_text=run.model_id)).to_have_count(1)
+    expect(page.locator("#chart-entropy")).to_have_count(1)  # a series only the RL run has
+    screenshot(page, "compare")
+
+
+def test_rl_run_shows_sampler_measures_and_groups(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.rl_run.model_id}")
+    for chart in ("chart-loss", "chart-entropy", "chart-sampler-throughput", "chart-logprob-gap", "chart-staleness",
+                  "chart-prefix-overlap", "chart-group-reward", "chart-group-outcomes", "chart-output-length"):
+        expect(page.locator(f"#{chart}")).to_have_attribute("data-points", str(STEPS))
+    expect(page.locator("#groups tbody tr")).to_have_count(STEPS * GROUPS)
+    expect(page.locator("#groups tbody tr").first).to_contain_text("mixed")
+    screenshot(page, "run")
+
+
+def test_trajectory_viewer_shows_both_logprobs_per_token(server, world, open_page):
+    session = f"step{STEPS - 1}-group0"
+    stored = world.rollouts.get_trajectory(session).turns[0].samples
+    page = open_page(world.keys.alice)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.rl_run.model_id}")
+    page.click(f"#groups a:text-is('{session}')")
+    expect(page.locator(".choice")).to_have_count(GROUP_SIZE)
+    first = stored[0]
+    sampler_tokens = page.locator(".choice").first.locator(".tokens.sampler .tok")
+    expect(sampler_tokens).to_have_count(len(first.tokens))
+    expect(page.locator(".choice").first.locator(".tokens.trainer .tok")).to_have_count(len(first.tokens))
+    shown = sampler_tokens.evaluate_all("spans => spans.map(s => [+s.dataset.token, +s.dataset.samplerLogprob, "
+                                        "s.dataset.trainerLogprob === '' ? null : +s.dataset.trainerLogprob])")
+    assert [token for token, _, _ in shown] == list(first.tokens)
+    np.testing.assert_allclose([lp for _, lp, _ in shown], first.logprobs, rtol=1e-6)
+    # trained on exactly these tokens, so the trainer's logprob of each is there, and near the sampler's
+    np.testing.assert_allclose([lp for _, _, lp in shown], first.logprobs, atol=1e-3)
+    screenshot(page, "trajectory")
+
+
+def test_charts_update_live_without_reload(server, world, open_page):
+    page = open_page(world.keys.bob)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.bob_run.model_id}")
+    loss = page.locator("#chart-loss")
+    expect(loss).to_have_attribute("data-points", "1")
+    page.evaluate("window.sameDocument = true")
+    train_step(world.bob_run, 1)
+    expect(loss).to_have_attribute("data-points", "2", timeout=15_000)
+    expect(page.locator("#chart-client-reward")).to_have_attribute("data-points", "2")
+    assert page.evaluate("window.sameDocument") is True  # polled, not reloaded
+
+
+def test_failed_requests_show_their_error_as_text(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")
+    errors = page.locator("#failed tbody td.error-text")
+    expect(errors).to_have_count(2)
+    expect(errors.filter(has_text="token id 1000000 is outside the vocabulary")).to_have_count(1)
+    expect(errors.filter(has_text=HOSTILE_LOSS)).to_have_count(1)  # the markup, shown as its characters
+    assert page.locator("#failed script, #failed img").count() == 0
+    assert page.evaluate("window.injected") is None
+
+
+def test_wrong_key_is_said_on_the_form(server, open_page):
+    page = open_page()
+    page.fill("#api_key", "tml-not-a-key")
+    page.click("#login-form button[type=submit]")
+    expect(page.locator("#login-error")).to_contain_text("api_key")
+    assert "tml-not-a-key" not in page.url
+
+
+def test_operator_view_for_the_operator_only(server, world, open_page):
+    tenant = open_page(world.keys.alice)
+    response = tenant.goto(f"{server.base_url}/dashboard/admin")
+    assert response.status == 403
+    expect(tenant.locator("#tenants")).to_have_count(0)
+
+    operator = open_page(world.keys.operator)
+    assert listed_runs(operator) >= {world.alice_run.model_id, world.rl_run.model_id, world.bob_run.model_id}
+    operator.goto(f"{server.base_url}/dashboard/admin")
+    for name in ("alice <b>&amp;", "bob"):
+        expect(operator.locator("#tenants tbody td:first-child", has_text=re.compile(f"^{re.escape(name)}$"))) \
+            .to_have_count(1)
+    expect(operator.locator("#chart-cycle-requests")).not_to_have_attribute("data-points", "0")
+    screenshot(operator, "admin")
+    operator.goto(f"{server.base_url}/dashboard/usage")
+    expect(operator.locator("#usage tbody tr").first).to_contain_text("loraplex/tiny")
+    expect(operator.locator("#chart-tokens-trained")).not_to_have_attribute("data-points", "0")
+    expect(operator.locator("#chart-tokens-sampled")).not_to_have_attribute("data-points", "0")
+    screenshot(operator, "usage")
+
+
+def test_logout_ends_the_session(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.click("#logout")
+    expect(page.locator("#login-form")).to_be_visible()
+    assert page.context.cookies() == []
+    page.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")
+    expect(page.locator("#login-form")).to_be_visible()  # the run's page asks to log in again
+    assert page.request.get(f"{server.base_url}/dashboard/api/runs").status == 401
