@@ -1,7 +1,8 @@
 """What the service adds: a small forward_backward + optim_step through the official tinker SDK
 over HTTP (embedded server on loopback) versus the same engine calls in-process, side by side.
 
-    .venv/bin/python -m benchmarks.service_overhead [--rounds 100] [--clients 8]   # from the repository root (uses tests/ helpers)
+    .venv/bin/python -m benchmarks.service_overhead [--rounds 100] [--clients 8] [--before REV --pairs 2]
+    # from the repository root (uses tests/ helpers)
 
 Part 1, latency: one client, `rounds` rounds of forward_backward(2 x 16 tokens).result() +
 optim_step().result(); p50/p99 per round through the SDK and in-process, and the p50 difference
@@ -13,10 +14,14 @@ Both parts run twice: against `python -m service serve` in a process of its own 
 main command, as a user runs it beside a notebook) and against the embedded server on a thread
 of the client's process (`ServerThread`, as a notebook or a test embeds it: the two then share
 one GIL, and the OpenMP defaults, since torch was loaded first).
+With `--before REV`, both parts run on REV's code (a temporary git worktree, benchmarks/before_tree.py)
+and on this tree in alternating processes, `--pairs` per tree (the order flipped every pair); each
+figure is the median over its processes, written to results/service_overhead_before.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
@@ -33,16 +38,23 @@ import typer
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from contract.configs import LoraConfig
-from loraplex.types import AdamParams
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import create_tenant_key, start_service, wait_healthy
 from tests.servers import metric
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+
+try:
+    from contract.configs import LoraConfig
+    from loraplex.types import AdamParams
+    from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+except ModuleNotFoundError:  # the layout before the torch-free contract (c980d9e), for --before
+    from workers.trainer.adapters import AdamParams, LoraConfig
+    from workers.trainer.batch import Datum as EngineDatum
+    from workers.trainer.batch import ForwardBackwardInput
 
 RESULTS = Path(__file__).parent / "results" / "service_overhead.md"
+BEFORE_RESULTS = Path(__file__).parent / "results" / "service_overhead_before.md"
 
 
 def token_rows(seed: int, n: int = 2, length: int = 16) -> list[np.ndarray]:
@@ -185,32 +197,86 @@ def measure(server, rounds: int, clients: int) -> dict:
             "requests_per_s": 2 * clients * per_client / elapsed, "mean_batch": mean_batch}
 
 
-def main(rounds: int = 100, clients: int = 8, write: bool = True) -> None:
-    transformers.utils.logging.disable_progress_bar()
+def measure_both(rounds: int, clients: int) -> dict[str, dict]:
     results = {}
     for where, server_class in (("process", ServeCommand), ("thread", LocalServer)):
         results[where] = measure(server_class(Settings(data_dir=Path(tempfile.mkdtemp()), port=free_port())),
                                  rounds, clients)
         print(where, results[where], flush=True)
+    return results
 
-    lines = ["| measure | `python -m service serve` (own process) | server on a thread of the client's process |", "|---|---|---|"]
+
+def table(results: dict[str, dict], clients: int, columns: dict[str, str]) -> list[str]:
+    """One row per measure, a column per key of `results` (titled by `columns`)."""
+    lines = [f"| measure | {' | '.join(columns.values())} |", f"|---|{'---|' * len(columns)}"]
 
     def row(label: str, cell) -> None:
-        lines.append(f"| {label} | {cell(results['process'])} | {cell(results['thread'])} |")
+        lines.append(f"| {label} | {' | '.join(cell(results[k]) for k in columns)} |")
 
-    row("round (fwd_bwd 2x16 tokens + optim_step) through the SDK, p50 / p99", lambda r: "%.1f / %.1f ms" % r["sdk"])
-    row("same round with a bare HTTP client (httpx, no SDK), p50 / p99", lambda r: "%.1f / %.1f ms" % r["raw"])
-    row("same engine calls in-process, p50 / p99", lambda r: "%.1f / %.1f ms" % r["local"])
-    row("**added per call through the SDK, p50** (target 10 ms)", lambda r: f"**{(r['sdk'][0] - r['local'][0]) / 2:.1f} ms**")
-    row("added per call by the server + HTTP (bare client), p50", lambda r: f"{(r['raw'][0] - r['local'][0]) / 2:.1f} ms")
+    row("round (fwd_bwd 2x16 tokens + optim_step) through the SDK, p50 / p99",
+        lambda r: "%.1f / %.1f ms" % tuple(r["sdk"]))
+    row("same round with a bare HTTP client (httpx, no SDK), p50 / p99", lambda r: "%.1f / %.1f ms" % tuple(r["raw"]))
+    row("same engine calls in-process, p50 / p99", lambda r: "%.1f / %.1f ms" % tuple(r["local"]))
+    row("**added per call through the SDK, p50** (target 10 ms)",
+        lambda r: f"**{(r['sdk'][0] - r['local'][0]) / 2:.1f} ms**")
+    row("added per call by the server + HTTP (bare client), p50",
+        lambda r: f"{(r['raw'][0] - r['local'][0]) / 2:.1f} ms")
     row(f"{clients} concurrent SDK clients: requests/s", lambda r: f"{r['requests_per_s']:.0f}")
     row(f"{clients} concurrent SDK clients: forward_backward requests per engine call (mean)",
         lambda r: f"{r['mean_batch']:.2f}")
+    return lines
+
+
+def median_result(runs: list[dict]) -> dict:
+    """Each figure's median over the processes' results."""
+    def med(key, i=None):
+        return statistics.median(r[key] if i is None else r[key][i] for r in runs)
+    return {k: (med(k, 0), med(k, 1)) if isinstance(runs[0][k], (list, tuple)) else med(k) for k in runs[0]}
+
+
+def compare_with_before(before: str, pairs: int, rounds: int, clients: int) -> list[str]:
+    from benchmarks.before_tree import ROOT, run_in_tree, short_rev, worktree
+
+    runs: dict[str, list[dict]] = {}
+    args = ("--rounds", str(rounds), "--clients", str(clients), "--json")
+    with worktree(before) as old:
+        for pair in range(pairs):
+            order = (("before", old), ("now", ROOT)) if pair % 2 == 0 else (("now", ROOT), ("before", old))
+            for label, tree in order:
+                result = run_in_tree(tree, Path(__file__).resolve(), *args)
+                print(label, "pair", pair + 1, json.dumps(result), flush=True)
+                for where, r in result.items():
+                    runs.setdefault(f"{where} {label}", []).append(r)
+    rev = short_rev(before)
+    columns = {"process before": f"`serve`, {rev}", "process now": "`serve`, this tree",
+               "thread before": f"thread, {rev}", "thread now": "thread, this tree"}
+    return table({k: median_result(v) for k, v in runs.items()}, clients, columns)
+
+
+def main(rounds: int = 100, clients: int = 8, write: bool = True, before: str | None = None, pairs: int = 2,
+         json_result: bool = typer.Option(False, "--json", hidden=True)) -> None:
+    transformers.utils.logging.disable_progress_bar()
+    command = f".venv/bin/python -m benchmarks.service_overhead --rounds {rounds} --clients {clients}"
+    if before is not None:
+        lines = compare_with_before(before, pairs, rounds, clients)
+        text = (f"Command: `{command} --before {before} --pairs {pairs}` (model tiny, SQLite, embedded server on "
+                f"loopback; each figure the median over {pairs} processes per tree, alternating)\n\n"
+                + "\n".join(lines) + "\n")
+        print(text)
+        if write:
+            BEFORE_RESULTS.write_text(text)
+        return
+    results = measure_both(rounds, clients)
+    if json_result:  # a child of --before: its results, on one line
+        print(json.dumps(results))
+        return
+    lines = table(results, clients, {"process": "`python -m service serve` (own process)",
+                                     "thread": "server on a thread of the client's process"})
     print("\n".join(lines))
     if write:
         RESULTS.parent.mkdir(exist_ok=True)
-        RESULTS.write_text(f"Command: `.venv/bin/python -m benchmarks.service_overhead --rounds {rounds} --clients {clients}`"
-                           f" (model tiny, SQLite, embedded server on loopback)\n\n" + "\n".join(lines) + "\n")
+        RESULTS.write_text(f"Command: `{command}` (model tiny, SQLite, embedded server on loopback)\n\n"
+                           + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ def build_api(settings: Settings):
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=inbox, notifier=notifier, model_info=info,
                      sampling_dispatcher=sampling,
                      sampling_unavailable="the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
+    if sampling is not None:  # `stream: true`: tokens straight from the sampler workers (scheduler/remote_streams.py)
+        from scheduler.remote_streams import RemoteStreams
+
+        app.state.sample_streams = RemoteStreams(client, notifier, info.name).start()
     return app, FinishedListener(client, notifier)
 
 
@@ -64,8 +68,8 @@ class SchedulerProcess:
         client = redis.Redis.from_url(settings.redis_url)
         info = model_info(settings.base_model, settings.model_cache)
         publisher = FinishedPublisher(client)
-        executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
-        self.scheduler = SchedulerService(self.sessions, executor, settings.cycle_token_budget, publisher,
+        self.executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
+        self.scheduler = SchedulerService(self.sessions, self.executor, settings.cycle_token_budget, publisher,
                                           settings.cycle_gather_seconds, settings.seq_gap_seconds,
                                           settings.tenant_max_tokens_in_flight)
         self.sampling = None
@@ -95,6 +99,7 @@ class SchedulerProcess:
         self.scheduler.stop()
         if self.sampling is not None:
             self.sampling.close()
+        self.executor.close()  # as the embedded server does: the Executor protocol's last call
 
 
 def run_scheduler(settings: Settings) -> None:

@@ -121,6 +121,34 @@ def _sgmv_rows_kernel(
 
 
 @triton.jit
+def _rows_product(
+    left_ptr, right_ptr, start, end, ms, ps, m_mask, p_mask,
+    stride_lt, stride_lm, stride_rt, stride_rp,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """left[start:end, ms].T @ right[start:end, ps] in float32, reduced BLOCK_T rows at a time from
+    `start`: the trip count and order follow these rows only (no rows: the zero tile)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        t_mask = ts < end
+        # Read left as a [BLOCK_M, BLOCK_T] tile so the dot needs no explicit transpose.
+        lt = tl.load(
+            left_ptr + ts[None, :] * stride_lt + ms[:, None] * stride_lm,
+            mask=m_mask[:, None] & t_mask[None, :], other=0.0,
+        )
+        r = tl.load(
+            right_ptr + ts[:, None] * stride_rt + ps[None, :] * stride_rp,
+            mask=t_mask[:, None] & p_mask[None, :], other=0.0,
+        )
+        acc = _dot_acc(acc, lt, r, UPCAST)
+    return acc
+
+
+@triton.jit
 def _sgmv_weight_grad_kernel(
     left_ptr, right_ptr, out_ptr, seg_starts_ptr, seg_ends_ptr, scale_ptr,
     M, P,
@@ -135,31 +163,14 @@ def _sgmv_weight_grad_kernel(
 ):
     """out[s, :M, :P] = scale[s] * left[rows of s].T @ right[rows of s]."""
     seg = tl.program_id(2).to(tl.int64)
-    seg_start = tl.load(seg_starts_ptr + seg)
-    seg_end = tl.load(seg_ends_ptr + seg)
-
     ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ps = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = ms < M
     p_mask = ps < P
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Ragged reduction: the trip count depends on this segment only (0 when empty,
-    # which still falls through to store the zero tile).
-    for t0 in range(seg_start, seg_end, BLOCK_T):
-        ts = t0 + tl.arange(0, BLOCK_T)
-        t_mask = ts < seg_end
-        # Read left as a [BLOCK_M, BLOCK_T] tile so the dot needs no explicit transpose.
-        lt = tl.load(
-            left_ptr + ts[None, :] * stride_lt + ms[:, None] * stride_lm,
-            mask=m_mask[:, None] & t_mask[None, :], other=0.0,
-        )
-        r = tl.load(
-            right_ptr + ts[:, None] * stride_rt + ps[None, :] * stride_rp,
-            mask=t_mask[:, None] & p_mask[None, :], other=0.0,
-        )
-        acc = _dot_acc(acc, lt, r, UPCAST)
-
+    # Ragged reduction: the trip count depends on this segment only (an empty one stores the zero tile).
+    acc = _rows_product(left_ptr, right_ptr, tl.load(seg_starts_ptr + seg), tl.load(seg_ends_ptr + seg),
+                        ms, ps, m_mask, p_mask, stride_lt, stride_lm, stride_rt, stride_rp,
+                        UPCAST, BLOCK_M, BLOCK_N, BLOCK_T)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + seg)
     out_ptrs = out_ptr + seg * stride_os + ms[:, None] * stride_om + ps[None, :] * stride_op
@@ -196,21 +207,9 @@ def _sgmv_weight_grad_pieces_kernel(
     out_mask = m_mask[:, None] & p_mask[None, :]
     acc = tl.load(out_ptrs, mask=out_mask, other=0.0)
     for piece in range(first_piece, end_piece):
-        p_start = tl.load(piece_starts_ptr + piece)
-        p_end = tl.load(piece_ends_ptr + piece)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t0 in range(p_start, p_end, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
-            t_mask = ts < p_end
-            lt = tl.load(
-                left_ptr + ts[None, :] * stride_lt + ms[:, None] * stride_lm,
-                mask=m_mask[:, None] & t_mask[None, :], other=0.0,
-            )
-            r = tl.load(
-                right_ptr + ts[:, None] * stride_rt + ps[None, :] * stride_rp,
-                mask=t_mask[:, None] & p_mask[None, :], other=0.0,
-            )
-            part = _dot_acc(part, lt, r, UPCAST)
+        part = _rows_product(left_ptr, right_ptr, tl.load(piece_starts_ptr + piece), tl.load(piece_ends_ptr + piece),
+                             ms, ps, m_mask, p_mask, stride_lt, stride_lm, stride_rt, stride_rp,
+                             UPCAST, BLOCK_M, BLOCK_N, BLOCK_T)
         if HAS_SCALE:
             part = part * tl.load(scale_ptr + seg)
         acc += part
@@ -246,8 +245,26 @@ def _expand_blocks(n: int) -> tuple[int, int, int]:
     return ROW_BLOCK, _block(n, 128), RANK_BLOCK
 
 
-def _weight_grad_blocks(m: int, p: int) -> tuple[int, int, int]:
-    return 32, 64, GRAD_CHUNK_ROWS
+def _launch_weight_grad(kernel, left: torch.Tensor, right: torch.Tensor, out: torch.Tensor,
+                        tables: tuple[torch.Tensor, ...], scale: torch.Tensor | None) -> None:
+    """`kernel` over grid (M blocks, P blocks, segment) of out [S, M, P]; `tables`: its row tables."""
+    num_segments, m, p = out.shape
+    block_m, block_n, block_t = 32, 64, GRAD_CHUNK_ROWS  # constants: never the batch's shape
+    grid = (triton.cdiv(m, block_m), triton.cdiv(p, block_n), num_segments)
+    if 0 in grid:
+        return
+    kernel[grid](
+        left, right, out, *tables, _scale_arg(scale, tables[0]),
+        m, p,
+        left.stride(0), left.stride(1),
+        right.stride(0), right.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        HAS_SCALE=scale is not None,
+        UPCAST=_INTERPRETED,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_T=block_t,
+    )
 
 
 def _check_launchable(t: torch.Tensor) -> None:
@@ -360,23 +377,8 @@ def sgmv_weight_grad(
     num_segments, m, p = seg_starts.shape[0], left.shape[1], right.shape[1]
     # Every (segment, M, P) element is written by the grid, empty segments included.
     out = torch.empty(num_segments, m, p, dtype=torch.float32, device=left.device)
-    block_m, block_n, block_t = _weight_grad_blocks(m, p)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(p, block_n), num_segments)
-    if 0 in grid:
-        return out
-    starts = seg_starts.contiguous()
-    _sgmv_weight_grad_kernel[grid](
-        left, right, out, starts, seg_ends.contiguous(), _scale_arg(scale, starts),
-        m, p,
-        left.stride(0), left.stride(1),
-        right.stride(0), right.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        HAS_SCALE=scale is not None,
-        UPCAST=_INTERPRETED,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_T=block_t,
-    )
+    _launch_weight_grad(_sgmv_weight_grad_kernel, left, right, out, (seg_starts.contiguous(), seg_ends.contiguous()),
+                        scale)
     return out
 
 
@@ -410,20 +412,6 @@ def sgmv_weight_grad_pieces(
         out = torch.zeros(num_segments, m, p, dtype=torch.float32, device=left.device)
     else:
         out = init if init.dtype == torch.float32 and init.is_contiguous() else init.float().contiguous()
-    block_m, block_n, block_t = 32, 64, GRAD_CHUNK_ROWS
-    grid = (triton.cdiv(m, block_m), triton.cdiv(p, block_n), num_segments)
-    if 0 in grid:
-        return out
-    _sgmv_weight_grad_pieces_kernel[grid](
-        left, right, out, tile_starts, tile_ends, segment_tiles, _scale_arg(scale, tile_starts),
-        m, p,
-        left.stride(0), left.stride(1),
-        right.stride(0), right.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        HAS_SCALE=scale is not None,
-        UPCAST=_INTERPRETED,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_T=block_t,
-    )
+    _launch_weight_grad(_sgmv_weight_grad_pieces_kernel, left, right, out, (tile_starts, tile_ends, segment_tiles),
+                        scale)
     return out
