@@ -1,5 +1,6 @@
 """Shared fixtures: base models are built once per machine into the registry cache; a module
-that defines a `server` fixture (an embedded ServerThread) gets `api_key` and `service_client`;
+that defines a `server` fixture (an embedded ServerThread), or whose package's conftest does, gets
+`api_key` and `service_client`;
 `webdav_store` makes locations on a real WebDAV server, the remote checkpoint store of the tests."""
 
 import os

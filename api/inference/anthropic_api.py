@@ -48,12 +48,7 @@ async def _render(request: Request, tenant, body: anthropic_params.Conversation)
     messages = anthropic_params.template_messages(body)
     tools = anthropic_params.template_tools(body)
     choice = anthropic_params.tool_choice(body)
-    info = request.app.state.model_info
-    target = await run_in_threadpool(calls.resolve, request, tenant, body.model)
-    tokenizer = await run_in_threadpool(rendering.tokenizer_of, str(info.path))
-    if tools:
-        rendering.check_tools(tokenizer, tools, info.name)
-    prompt = await run_in_threadpool(rendering.render_chat, tokenizer, messages, tools, info.name)
+    target, prompt = await calls.render_for(request, tenant, body.model, messages, tools)
     return target, bool(tools) and choice == "auto", prompt
 
 

@@ -78,6 +78,19 @@ class Call:
     parse_tools: bool  # take tool calls out of the text (the call passed tools)
 
 
+async def render_for(request: Request, tenant: TenantRef, model: str, messages: list[dict],
+                     tools: list[dict] | None) -> tuple[targets.Target, list[int]]:
+    """(the target `model` names, the prompt's tokens): messages and tools in the template's shape,
+    rendered with the base model's chat template; a template that renders no tools refuses them."""
+    info = request.app.state.model_info
+    target = await run_in_threadpool(resolve, request, tenant, model)
+    tokenizer = await run_in_threadpool(rendering.tokenizer_of, str(info.path))
+    if tools:
+        rendering.check_tools(tokenizer, tools, info.name)
+    prompt = await run_in_threadpool(rendering.render_chat, tokenizer, messages, tools, info.name)
+    return target, prompt
+
+
 def openai_call(request: Request, body: params.InferenceRequest, raw: dict, api: str, target: targets.Target,
                 prompt: list[int], topk: int, parse_tools: bool) -> Call:
     """A Call from an OpenAI chat/completions body (its session and sampling fields)."""

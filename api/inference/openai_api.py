@@ -44,14 +44,9 @@ async def chat_completions(request: Request) -> Response:
         tenant = await run_in_threadpool(calls.authenticate, request)
         raw = await calls.json_body(request)
         body: params.ChatRequest = params.parse(params.ChatRequest, raw, params.CHAT_PARAMETERS)
-        info = request.app.state.model_info
-        messages = rendering.template_messages(body.messages)
-        target = await run_in_threadpool(calls.resolve, request, tenant, body.model)
-        tokenizer = await run_in_threadpool(rendering.tokenizer_of, str(info.path))
         tools = body.tools or None
-        if tools:
-            rendering.check_tools(tokenizer, tools, info.name)
-        prompt = await run_in_threadpool(rendering.render_chat, tokenizer, messages, tools, info.name)
+        target, prompt = await calls.render_for(request, tenant, body.model,
+                                                rendering.template_messages(body.messages), tools)
         topk = (body.top_logprobs or 0) if body.logprobs else 0
 
         def build(**common) -> dict:
@@ -66,7 +61,8 @@ async def chat_completions(request: Request) -> Response:
             def chat_chunks(response_id: str) -> chunks.ChatChunks:
                 return chunks.ChatChunks(
                     response_id=response_id, model=body.model, fingerprint=f"loraplex-{target.version_label}",
-                    tokenizer=tokenizer, logprobs=bool(body.logprobs), top_logprobs=topk,
+                    tokenizer=rendering.tokenizer_of(str(request.app.state.model_info.path)),
+                    logprobs=bool(body.logprobs), top_logprobs=topk,
                     as_ids=body.return_tokens_as_token_ids, include_usage=_include_usage(body))
 
             return await streaming.stream_and_record(request, tenant, call, build, chat_chunks)

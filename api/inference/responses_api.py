@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api.inference import calls, rendering, responses_params
+from api.inference import calls, responses_params
 from api.inference.errors import InferenceError
 from db.models import RolloutTrajectory, RolloutTurn
 
@@ -77,12 +77,7 @@ async def create_response(request: Request) -> Response:
         messages += responses_params.template_messages(responses_params.input_items(body.input))
         tools = responses_params.template_tools(body)
         choice = responses_params.tool_choice(body)
-        info = request.app.state.model_info
-        target = await run_in_threadpool(calls.resolve, request, tenant, body.model)
-        tokenizer = await run_in_threadpool(rendering.tokenizer_of, str(info.path))
-        if tools:
-            rendering.check_tools(tokenizer, tools, info.name)
-        prompt = await run_in_threadpool(rendering.render_chat, tokenizer, messages, tools, info.name)
+        target, prompt = await calls.render_for(request, tenant, body.model, messages, tools)
         options = calls.sampling_options(
             request, len(prompt), max_tokens=body.max_output_tokens, max_tokens_field="max_output_tokens",
             prompt_field="input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)

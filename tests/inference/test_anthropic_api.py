@@ -9,10 +9,9 @@ import loraplex
 import pytest
 
 from api.inference import rendering
-from tests.inference.test_openai_api import HERMES_TEMPLATE, sft_steps
-from tests.servers import running_server
+from tests.inference.tool_calls import HERMES_TEMPLATE
 
-pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
+pytestmark = pytest.mark.vllm  # the package's server runs the vLLM sampler
 
 QUESTION = "What is 2 + 3?"
 MESSAGES = [{"role": "user", "content": QUESTION}]
@@ -21,34 +20,8 @@ TOOLS = [{"name": "add", "description": "a + b", "input_schema": {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("loraplex")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def client(server, api_key) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=f"{server.base_url}/anthropic", api_key=api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def lp(server, api_key) -> loraplex.ServiceClient:
-    return loraplex.ServiceClient(base_url=server.base_url, api_key=api_key)
-
-
-@pytest.fixture(scope="module")
-def store(lp) -> loraplex.RolloutsClient:
-    return loraplex.RolloutsClient(lp)
-
-
-@pytest.fixture(scope="module")
-def model_path(server) -> str:
-    return str(server.embedded.app.state.model_info.path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return rendering.tokenizer_of(model_path)  # the server's own (it runs in this process)
 
 
 def test_a_message_is_answered_and_recorded_token_for_token(client, store, tokenizer, model_path):
@@ -147,35 +120,34 @@ def test_errors_are_anthropic_shaped_and_name_the_field(server, client, lp, api_
     assert client.messages.create(model=path, max_tokens=1, messages=MESSAGES).usage.output_tokens == 1
 
 
-def test_a_tool_use_round_trip(client, lp, store, tokenizer, monkeypatch):
-    # As in test_openai_api.py: a Hermes-style template on the server's tokenizer, and a LoRA that learnt
-    # to answer the question with a call (the tiny model knows no tool format).
+def test_a_tool_use_round_trip(server, tool_lora, tokenizer, monkeypatch):
+    # As in test_openai_api.py: a Hermes-style template on the server's tokenizer, and `tool_lora`, which
+    # learnt to answer the question with a call (the tiny model knows no tool format).
+    client = anthropic.Anthropic(base_url=f"{server.base_url}/anthropic", api_key=tool_lora.api_key, max_retries=0)
+    store = loraplex.RolloutsClient(loraplex.ServiceClient(base_url=server.base_url, api_key=tool_lora.api_key))
     monkeypatch.setattr(tokenizer, "chat_template", HERMES_TEMPLATE)
     chat_tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                     "parameters": t["input_schema"]}} for t in TOOLS]
-    prompt = rendering.render_chat(tokenizer, MESSAGES, chat_tools, "tiny")
-    call = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
-    training = lp.create_lora_training_client("tiny", rank=16, seed=4)
-    sft_steps(training, prompt + call + [tokenizer.eos_token_id], len(prompt), 100, 3e-3)
-    training.save_weights_for_sampler("tools").result()
-    model, headers = f"tinker://{training.model_id}/sampler_weights/@latest", {"X-Loraplex-Session": "tools"}
+    prompt, call = rendering.render_chat(tokenizer, MESSAGES, chat_tools, "tiny"), tool_lora.call
+    assert prompt == tool_lora.prompt  # these tools render as the LoRA's (chat completions') tools do
+    model, headers = tool_lora.model, {"X-Loraplex-Session": "anthropic-tools"}
 
     answer = client.messages.create(model=model, max_tokens=80, messages=MESSAGES, tools=TOOLS,
                                     extra_body={"temperature": 0.0}, extra_headers=headers)
     assert answer.stop_reason == "tool_use"
     [use] = answer.content
     assert (use.type, use.name, use.input) == ("tool_use", "add", {"a": 2, "b": 3})
-    first = store.get_trajectory("tools").turns[0]
+    first = store.get_trajectory("anthropic-tools").turns[0]
     assert first.prompt_tokens == prompt and first.samples[0].tokens == call + [tokenizer.eos_token_id]
 
     # the harness runs the tool and sends the call and its result back: rendered by the same template
     history = MESSAGES + [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
                           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]
     client.messages.create(model=model, max_tokens=4, messages=history, tools=TOOLS, extra_headers=headers)
-    second = store.get_trajectory("tools").turns[1].prompt_tokens
+    second = store.get_trajectory("anthropic-tools").turns[1].prompt_tokens
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(second)
     assert second[:len(prompt) + len(call) + 1] == prompt + call + [tokenizer.eos_token_id]  # one datum
-    assert store.datums("tools", advantage=1.0).per_trajectory
+    assert store.datums("anthropic-tools", advantage=1.0).per_trajectory
     with client.messages.stream(model=model, max_tokens=80, messages=MESSAGES, tools=TOOLS,
                                 extra_body={"temperature": 0.0}) as stream:
         streamed = stream.get_final_message()

@@ -7,12 +7,11 @@ import loraplex
 import numpy as np
 import openai
 import pytest
-from loraplex import types
 
 from api.inference import rendering
-from tests.servers import running_server
+from tests.inference.tool_calls import HERMES_TEMPLATE, TOOLS, sft_steps
 
-pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
+pytestmark = pytest.mark.vllm  # the package's server runs the vLLM sampler
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
@@ -20,47 +19,13 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("loraplex")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def client(server, api_key) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/oai/api/v1", api_key=api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def lp(server, api_key) -> loraplex.ServiceClient:
-    return loraplex.ServiceClient(base_url=server.base_url, api_key=api_key)
-
-
-@pytest.fixture(scope="module")
-def store(lp) -> loraplex.RolloutsClient:
-    return loraplex.RolloutsClient(lp)
-
-
-@pytest.fixture(scope="module")
-def model_path(server) -> str:
-    return str(server.embedded.app.state.model_info.path)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return rendering.tokenizer_of(model_path)  # the server's own (it runs in this process)
 
 
 def ids(entries) -> list[int]:
     """Token ids of logprob entries answered with return_tokens_as_token_ids ("token_id:<id>")."""
     return [int(e.token.removeprefix("token_id:")) for e in entries]
-
-
-def sft_steps(training, tokens: list[int], first_trained: int, steps: int, lr: float) -> None:
-    weights = [0.0] * (first_trained - 1) + [1.0] * (len(tokens) - first_trained)
-    datum = types.Datum(types.ModelInput.from_ints(tokens[:-1]), {"target_tokens": tokens[1:], "weights": weights})
-    for _ in range(steps):
-        training.forward_backward([datum], "cross_entropy").result()
-        training.optim_step(types.AdamParams(learning_rate=lr)).result()
 
 
 def test_chat_completion_is_answered_and_recorded_token_for_token(client, store, tokenizer, model_path):
@@ -210,31 +175,15 @@ def test_a_stored_multi_turn_trajectory_trains_exactly_the_tokens_sampled(client
         store.get_trajectory("multi")
 
 
-HERMES_TEMPLATE = (  # a Hermes-style template (as Qwen's): tools in a system turn, calls as <tool_call>{json}
-    "{%- if tools %}<|im_start|>system\nTools:{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
-    "{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
-    "{%- for call in message.tool_calls %}{{ '\\n<tool_call>\\n' }}{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": "
-    "{{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "<|im_end|>\n{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
-
-
-def test_a_tool_call_round_trip(client, lp, store, tokenizer, monkeypatch):
+def test_a_tool_call_round_trip(server, tool_lora, tokenizer, monkeypatch):
     # The tiny model's own template renders no tools: the server's tokenizer gets a Hermes-style one,
-    # and a LoRA learns to answer the question with a call (the tiny model knows no tool format).
+    # and `tool_lora` learnt to answer the question with a call (the tiny model knows no tool format).
+    client = openai.OpenAI(base_url=f"{server.base_url}/oai/api/v1", api_key=tool_lora.api_key, max_retries=0)
+    store = loraplex.RolloutsClient(loraplex.ServiceClient(base_url=server.base_url, api_key=tool_lora.api_key))
     monkeypatch.setattr(tokenizer, "chat_template", HERMES_TEMPLATE)
-    prompt = rendering.render_chat(tokenizer, MESSAGES, TOOLS, "tiny")
-    call = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
-    training = lp.create_lora_training_client("tiny", rank=16, seed=4)
-    sft_steps(training, prompt + call + [tokenizer.eos_token_id], len(prompt), 100, 3e-3)
-    training.save_weights_for_sampler("tools").result()
-    model, headers = f"tinker://{training.model_id}/sampler_weights/@latest", {"X-Loraplex-Session": "tools"}
+    prompt, call = rendering.render_chat(tokenizer, MESSAGES, TOOLS, "tiny"), tool_lora.call
+    assert prompt == tool_lora.prompt  # the prompt the LoRA learnt to answer
+    model, headers = tool_lora.model, {"X-Loraplex-Session": "openai-tools"}
 
     answer = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, temperature=0.0,
                                             max_tokens=80, extra_headers=headers)
@@ -242,17 +191,17 @@ def test_a_tool_call_round_trip(client, lp, store, tokenizer, monkeypatch):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [tool_call] = choice.message.tool_calls
     assert (tool_call.function.name, tool_call.function.arguments) == ("add", '{"a": 2, "b": 3}')
-    assert store.get_trajectory("tools").turns[0].samples[0].tokens == call + [tokenizer.eos_token_id]
+    assert store.get_trajectory("openai-tools").turns[0].samples[0].tokens == call + [tokenizer.eos_token_id]
 
     # the harness runs the tool and sends the call and its result back: rendered by the same template
     history = MESSAGES + [choice.message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": tool_call.id, "content": "5"}]
     client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=4, extra_headers=headers)
-    second = store.get_trajectory("tools").turns[1].prompt_tokens
+    second = store.get_trajectory("openai-tools").turns[1].prompt_tokens
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(second)
     # the call re-rendered from its JSON is the very tokens sampled: the two turns train as one datum
     assert second[:len(prompt) + len(call) + 1] == prompt + call + [tokenizer.eos_token_id]
-    built = store.datums("tools", advantage=1.0)
+    built = store.datums("openai-tools", advantage=1.0)
     assert built.per_trajectory and len(built.datums) == 1
     monkeypatch.undo()  # the model's own template again
     with pytest.raises(openai.BadRequestError, match="does not render tools"):

@@ -8,39 +8,17 @@ import openai
 import pytest
 
 from api.inference import rendering
-from tests.inference.test_openai_api import HERMES_TEMPLATE, TOOLS, sft_steps
-from tests.servers import running_server
+from tests.inference.tool_calls import HERMES_TEMPLATE, TOOLS
 
-pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
+pytestmark = pytest.mark.vllm  # the package's server runs the vLLM sampler
 
 QUESTION = "What is 2 + 3?"
 FUNCTIONS = [{"type": "function", "strict": False, **t["function"]} for t in TOOLS]  # Responses' flat shape
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("loraplex")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def client(server, api_key) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/oai/api/v1", api_key=api_key, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def lp(server, api_key) -> loraplex.ServiceClient:
-    return loraplex.ServiceClient(base_url=server.base_url, api_key=api_key)
-
-
-@pytest.fixture(scope="module")
-def store(lp) -> loraplex.RolloutsClient:
-    return loraplex.RolloutsClient(lp)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(server):
-    return rendering.tokenizer_of(str(server.embedded.app.state.model_info.path))  # the server's own
 
 
 def test_a_response_is_answered_stored_and_chained(client, store, tokenizer):
@@ -119,16 +97,16 @@ def test_errors_name_the_field_and_other_tenants_responses_do_not_exist(server, 
     assert client.responses.create(model=path, input=QUESTION, max_output_tokens=1).usage.output_tokens == 1
 
 
-def test_a_function_call_round_trip_is_one_trajectory(client, lp, store, tokenizer, monkeypatch):
-    # As in test_openai_api.py: a Hermes-style template on the server's tokenizer, and a LoRA that learnt
-    # to answer the question with a call (the tiny model knows no tool format).
+def test_a_function_call_round_trip_is_one_trajectory(server, tool_lora, tokenizer, monkeypatch):
+    # As in test_openai_api.py: a Hermes-style template on the server's tokenizer, and `tool_lora`, which
+    # learnt to answer the question with a call (the tiny model knows no tool format).
+    client = openai.OpenAI(base_url=f"{server.base_url}/oai/api/v1", api_key=tool_lora.api_key, max_retries=0)
+    store = loraplex.RolloutsClient(loraplex.ServiceClient(base_url=server.base_url, api_key=tool_lora.api_key))
     monkeypatch.setattr(tokenizer, "chat_template", HERMES_TEMPLATE)
     prompt = rendering.render_chat(tokenizer, [{"role": "user", "content": QUESTION}], TOOLS, "tiny")
-    call = tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>')
-    training = lp.create_lora_training_client("tiny", rank=16, seed=4)
-    sft_steps(training, prompt + call + [tokenizer.eos_token_id], len(prompt), 100, 3e-3)
-    training.save_weights_for_sampler("tools").result()
-    model = f"tinker://{training.model_id}/sampler_weights/@latest"
+    call = tool_lora.call
+    assert prompt == tool_lora.prompt  # the prompt the LoRA learnt to answer
+    model = tool_lora.model
 
     with client.responses.stream(model=model, input=QUESTION, tools=FUNCTIONS, temperature=0.0,
                                  max_output_tokens=80) as stream:  # streamed, and chained like any other
