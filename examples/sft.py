@@ -72,8 +72,8 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 30, ba
 
     last = log.rows[-1]["held_out_loss"]
     plot(log, ["train_loss", "held_out_loss"])
-    return {"name": name, "kind": "sft", "held_out_loss_start": first, "held_out_loss_end": last,
-            "seconds": time.monotonic() - start}
+    return {"name": name, "kind": "sft", "run_id": training.model_id, "held_out_loss_start": first,
+            "held_out_loss_end": last, "seconds": time.monotonic() - start}
 
 
 def main(base_model: str = "SmolLM2-135M-Instruct", steps: int = 30, batch_size: int = 16,

@@ -3,7 +3,6 @@ the exact status, the limit named, and nothing changed by a refused request."""
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -15,9 +14,8 @@ import tinker
 from peft import PeftModel
 from tinker import types
 from transformers import AutoModelForCausalLM
-from typer.testing import CliRunner
 
-from admin.cli import app
+from tests.admin.cli import admin_cli, printed_key
 from db.models import Request
 from tests.servers import running_server
 
@@ -32,20 +30,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def admin(server):
-    """Run `loraplex-admin ARGS...` on the server's database; the output, asserting success."""
-    runner = CliRunner()
-    env = {"LORAPLEX_DATA_DIR": str(server.settings.data_dir), "COLUMNS": "200"}
-
-    def run(*args: str, ok: bool = True) -> str:
-        result = runner.invoke(app, list(args), env=env)
-        assert (result.exit_code == 0) == ok, result.output
-        return result.output
-    return run
-
-
-def printed_key(output: str) -> str:
-    """The API key in a command's output (other threads of the test process may print too)."""
-    return re.findall(r"tml-[A-Za-z0-9_-]{43}", output)[-1]
+    return admin_cli(server.settings.data_dir)
 
 
 def new_tenant(admin, name: str) -> str:

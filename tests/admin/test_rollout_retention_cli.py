@@ -9,24 +9,16 @@ from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
-from typer.testing import CliRunner
 
-from admin.cli import app
 from db import rollouts
 from db.models import Quota, RolloutTrajectory, Tenant, new_id, utcnow
 from db.session import make_engine, make_session_factory
+from tests.admin.cli import admin_cli
 
 
 @pytest.fixture
 def admin(tmp_path):
-    runner = CliRunner()
-    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "COLUMNS": "200"}
-
-    def run(*args: str, ok: bool = True) -> str:
-        result = runner.invoke(app, list(args), env=env)
-        assert (result.exit_code == 0) == ok, result.output
-        return result.output
-    return run
+    return admin_cli(tmp_path)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 import loraplex
@@ -26,6 +27,11 @@ def test_sft_runs_logs_and_plots(service, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and all("held_out_loss" in r for r in rows)
     assert summary["held_out_loss_end"] == rows[-1]["held_out_loss"]
     assert (tmp_path / "sft.png").stat().st_size > 0
+    # the same numbers reach the service's dashboard (log_metrics), on the run's step axis
+    charted = httpx.get(f"{service[0].base_url}/dashboard/api/runs/{summary['run_id']}/metrics",
+                        headers={"X-API-Key": service[1].config.api_key}).json()["series"]
+    assert [step for step, _ in charted["held_out_loss"]["points"]] == [0, 1, 2]
+    assert charted["held_out_loss"]["source"] == "client" and len(charted["train_loss"]["points"]) == 2
 
 
 def test_the_verifier_reads_the_last_number():

@@ -12,11 +12,10 @@ import loraplex
 import openai
 import pytest
 import sqlalchemy as sa
-from typer.testing import CliRunner
 
-from admin.cli import app as admin_app
 from db.models import Checkpoint, RolloutSample, RolloutTrajectory, RolloutTurn, utcnow
 from scheduler.janitor import sweep
+from tests.admin.cli import admin_cli, printed_key
 from tests.servers import running_server
 
 pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
@@ -33,18 +32,11 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def admin(server):
-    runner = CliRunner()
-    env = {"LORAPLEX_DATA_DIR": str(server.settings.data_dir), "COLUMNS": "200"}
-
-    def run(*args: str) -> str:
-        result = runner.invoke(admin_app, list(args), env=env)
-        assert result.exit_code == 0, result.output
-        return result.output
-    return run
+    return admin_cli(server.settings.data_dir)
 
 
 def tenant_key(admin, name: str) -> str:
-    return re.findall(r"tml-[A-Za-z0-9_-]{43}", admin("tenants", "create", name))[-1]
+    return printed_key(admin("tenants", "create", name))
 
 
 def agent(server, key: str) -> openai.OpenAI:
