@@ -14,25 +14,20 @@ import time
 import pytest
 import redis
 import tinker
-import torch
-from tinker import types
 
-from contract.configs import LoraConfig
-from loraplex.types import AdamParams
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker
 from tests.servers import metric
 from tests.service.conftest import drop_postgres_database, postgres_database
-from tests.service.test_replay_bits import engine_datums, sdk_datums
+from tests.service.test_replay_bits import assert_same_bits, trained_alone, train_beside_a_neighbour
 from workers.celery_app import worker_key
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.live_slots import read_slots
 
 pytestmark = pytest.mark.slow  # two Celery worker processes start, one after the other
 REDIS_URL = "redis://127.0.0.1:6379/13"
-STEPS, KILL_AFTER, LR = 3, 1, 1e-2
+STEPS, KILL_AFTER = 3, 1  # the learning rates and data: tests/service/test_replay_bits.py's
 EVERY_STEP = {"LORAPLEX_STATE_WRITE_INTERVAL_SECONDS": "0"}  # durable state after each optim_step
 
 
@@ -50,22 +45,17 @@ def test_a_replayed_worker_ends_on_the_bits_of_a_model_trained_alone(tmp_path, t
             .create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
         neighbour = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant()) \
             .create_lora_training_client(base_model="tiny", rank=8, seed=3).result()
-        for step in range(STEPS):
-            # sent together: one cycle, one pass for both models on the one worker
-            futures = [neighbour.forward_backward(sdk_datums(100 + step, 3), "cross_entropy"),
-                       tc.forward_backward(sdk_datums(step, 2), "cross_entropy")]
-            for future in futures:
-                future.result()
-            if step == KILL_AFTER:  # the gradient just acknowledged is in w1's memory only
-                workers[0].send_signal(signal.SIGKILL)
-                workers[0].wait()
-                workers.append(start_worker("w2", tmp_path, REDIS_URL, **EVERY_STEP))
-                deadline = time.monotonic() + 30
-                while client.get(worker_key("w1")) is not None:  # its registration expires: w1 is dead
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
-            tc.optim_step(types.AdamParams(learning_rate=LR)).result()
-            neighbour.optim_step(types.AdamParams(learning_rate=3 * LR)).result()
+
+        def kill_the_worker() -> None:  # the gradient just acknowledged is in w1's memory only
+            workers[0].send_signal(signal.SIGKILL)
+            workers[0].wait()
+            workers.append(start_worker("w2", tmp_path, REDIS_URL, **EVERY_STEP))
+            deadline = time.monotonic() + 30
+            while client.get(worker_key("w1")) is not None:  # its registration expires: w1 is dead
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+        train_beside_a_neighbour(tc, neighbour, STEPS, KILL_AFTER, kill_the_worker)
         assert server.embedded.executor.placement()[tc.model_id] == "w2"
         # the two models did share cycles: more than one tenant per forward_backward cycle on average
         tenants = metric(server.base_url, "loraplex_cycle_tenants_sum")
@@ -79,12 +69,4 @@ def test_a_replayed_worker_ends_on_the_bits_of_a_model_trained_alone(tmp_path, t
     newest = read_slots(settings.live_dir, tc.model_id)[0]
     assert newest.manifest["step"] == STEPS
     restored = TrainerEngine(tiny_model_path, max_rank=16).load_state("restored", newest.path)
-    reference = TrainerEngine(tiny_model_path, max_rank=16)
-    reference.create_adapter("x", LoraConfig(rank=4, seed=2))
-    for step in range(STEPS):
-        reference.forward_backward([ForwardBackwardInput("x", engine_datums(step, 2))])
-        reference.optim_step([("x", AdamParams(learning_rate=LR))])
-    alone = reference.adapter("x")
-    assert torch.equal(restored.flat_weights, alone.flat_weights)
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(restored.adam_state[name], alone.adam_state[name]), name
+    assert_same_bits(restored, trained_alone(TrainerEngine(tiny_model_path, max_rank=16), STEPS))

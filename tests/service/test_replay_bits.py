@@ -6,6 +6,8 @@ against an engine that trained the model alone, and so is a forward's logprobs."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import tinker
@@ -40,6 +42,37 @@ def engine_datums(step: int, n: int) -> list[EngineDatum]:
             for tokens in sequences(step, n)]
 
 
+def train_beside_a_neighbour(tc, neighbour, steps: int, kill_after: int, kill: Callable[[], None]) -> None:
+    """`steps` steps of the model `tc` whose forward_backwards share a cycle with a neighbour's (another
+    tenant's model, another rank); `kill()` runs once step `kill_after`'s gradient is acknowledged."""
+    for step in range(steps):
+        # sent together: one cycle, one pass for both models
+        futures = [neighbour.forward_backward(sdk_datums(100 + step, 3), "cross_entropy"),
+                   tc.forward_backward(sdk_datums(step, 2), "cross_entropy")]
+        for future in futures:
+            future.result()
+        if step == kill_after:
+            kill()
+        tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+        neighbour.optim_step(types.AdamParams(learning_rate=3 * LR)).result()
+
+
+def trained_alone(engine: TrainerEngine, steps: int):
+    """The model's adapter trained on `engine` alone, never stopped (rank 4, seed 2, as `tc`)."""
+    engine.create_adapter("x", LoraConfig(rank=4, seed=2))
+    for step in range(steps):
+        engine.forward_backward([ForwardBackwardInput("x", engine_datums(step, 2))])
+        engine.optim_step([("x", AdamParams(learning_rate=LR))])
+    return engine.adapter("x")
+
+
+def assert_same_bits(restored, alone) -> None:
+    """Weights and Adam moments, bit for bit."""
+    assert torch.equal(restored.flat_weights, alone.flat_weights)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(restored.adam_state[name], alone.adam_state[name]), name
+
+
 def test_a_killed_engine_replays_to_the_bits_of_an_uninterrupted_run(tmp_path, tiny_model_path):
     with running_server(tmp_path, engine_process=True, sampler_enabled=False, state_write_interval_seconds=0,
                         cycle_gather_seconds=0.2) as server:
@@ -47,34 +80,22 @@ def test_a_killed_engine_replays_to_the_bits_of_an_uninterrupted_run(tmp_path, t
         tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
         neighbour = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant()) \
             .create_lora_training_client(base_model="tiny", rank=8, seed=3).result()
-        for step in range(STEPS):
-            # the neighbour's request arrives with the model's: one cycle, one pass for both
-            futures = [neighbour.forward_backward(sdk_datums(100 + step, 3), "cross_entropy"),
-                       tc.forward_backward(sdk_datums(step, 2), "cross_entropy")]
-            for future in futures:
-                future.result()
-            if step == KILL_AFTER:  # the gradient just computed lives in the engine process only
-                executor = server.embedded.executor
-                executor._proc.kill()
-                executor._proc.join()
-                with pytest.raises(Exception, match="engine process died"):
-                    tc.forward(sdk_datums(0, 1), "cross_entropy").result()
-            tc.optim_step(types.AdamParams(learning_rate=LR)).result()
-            neighbour.optim_step(types.AdamParams(learning_rate=3 * LR)).result()
+
+        def kill_the_engine() -> None:  # the gradient just computed lives in the engine process only
+            executor = server.embedded.executor
+            executor._proc.kill()
+            executor._proc.join()
+            with pytest.raises(Exception, match="engine process died"):
+                tc.forward(sdk_datums(0, 1), "cross_entropy").result()
+
+        train_beside_a_neighbour(tc, neighbour, STEPS, KILL_AFTER, kill_the_engine)
         served = tc.forward(sdk_datums(99, 2), "cross_entropy").result()
     newest = read_slots(tmp_path / "live", tc.model_id)[0]  # written after the last step (interval 0)
     assert newest.manifest["step"] == STEPS
     restored = TrainerEngine(tiny_model_path).load_state("restored", newest.path)
 
     reference = TrainerEngine(tiny_model_path)
-    reference.create_adapter("x", LoraConfig(rank=4, seed=2))
-    for step in range(STEPS):
-        reference.forward_backward([ForwardBackwardInput("x", engine_datums(step, 2))])
-        reference.optim_step([("x", AdamParams(learning_rate=LR))])
-    uninterrupted = reference.adapter("x")
-    assert torch.equal(restored.flat_weights, uninterrupted.flat_weights)
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(restored.adam_state[name], uninterrupted.adam_state[name]), name
+    assert_same_bits(restored, trained_alone(reference, STEPS))
     expected = reference.forward([ForwardBackwardInput("x", engine_datums(99, 2))])[0]
     for got, want in zip(served.loss_fn_outputs, expected.loss_fn_outputs):
         assert np.array_equal(np.asarray(got["logprobs"].tolist(), np.float32), want["logprobs"].numpy())  # bits
