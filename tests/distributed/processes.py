@@ -4,6 +4,7 @@ API and the scheduler, each with the command an operator (or docker-compose.yml)
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +63,17 @@ def start_sampler(name: str, data_dir: Path, redis_url: str, **more: str) -> sub
 def start_service(command: str, env: dict[str, str], *args: str) -> subprocess.Popen:
     """`python -m service <command>` (api or scheduler)."""
     return subprocess.Popen([sys.executable, "-m", "service", command, *args], cwd=ROOT, env=env)
+
+
+def stop_all(processes) -> None:
+    """SIGTERM every process (a warm shutdown), then wait for each, killing one that outlasts 20 s."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def wait_healthy(process: subprocess.Popen, base_url: str, seconds: float = 120) -> None:

@@ -22,7 +22,7 @@ from loraplex.wire.client import decode_forward_backward_output, encode_forward_
 from scheduler.celery_executor import PLACEMENT
 from service.embedded import free_port
 from tests.distributed.processes import (
-    create_tenant_key, service_env, start_sampler, start_service, start_worker, wait_for, wait_healthy,
+    create_tenant_key, service_env, start_sampler, start_service, start_worker, stop_all, wait_for, wait_healthy,
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
@@ -55,13 +55,7 @@ def deployment(tmp_path_factory, webdav_store):
              "database_url": database_url, "store_url": store_url, "data_dir": data_dir}
     wait_healthy(processes["api"], state["base_url"])
     yield state
-    for process in processes.values():
-        process.send_signal(signal.SIGTERM)
-    for process in processes.values():
-        try:
-            process.wait(timeout=20)
-        except Exception:
-            process.kill()
+    stop_all(processes.values())
     drop_postgres_database(pg_name)
 
 

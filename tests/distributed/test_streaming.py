@@ -5,7 +5,6 @@ them; the chunks add up to the stored turn; a client that leaves stops the sampl
 from __future__ import annotations
 
 import json
-import signal
 import time
 
 import httpx
@@ -19,7 +18,9 @@ from api.routes.futures import FINISHED
 from db.models import Request as RequestRow
 from db.models import RequestState
 from service.embedded import free_port
-from tests.distributed.processes import create_tenant_key, service_env, start_sampler, start_service, wait_healthy
+from tests.distributed.processes import (
+    create_tenant_key, service_env, start_sampler, start_service, stop_all, wait_healthy,
+)
 from tests.service.conftest import drop_postgres_database, postgres_database
 from workers.celery_app import sampler_key
 from workers.sampler.engine import CANCELLED
@@ -42,13 +43,7 @@ def deployment(tmp_path_factory):
     base_url = f"http://127.0.0.1:{port}"
     wait_healthy(processes["api"], base_url)
     yield {"base_url": base_url, "key": create_tenant_key(database_url, "streamer"), "database_url": database_url}
-    for process in processes.values():
-        process.send_signal(signal.SIGTERM)
-    for process in processes.values():
-        try:
-            process.wait(timeout=20)
-        except Exception:
-            process.kill()
+    stop_all(processes.values())
     drop_postgres_database(pg_name)
 
 
