@@ -57,6 +57,9 @@ def trained(executor: InProcessExecutor, model: str = "c") -> None:
     create(executor, model)
     for seq in (1, 3, 5):
         train_step(executor, model, seq)
+        # each step's state written before the next: a writer that falls behind (a loaded machine)
+        # writes only the newest, which would shift which slot holds which seq_id
+        executor.live.writer.flush(model)
     fb, job = forward_backward(model, 7)
     assert executor.run_cycle(Cycle(forward_backward=[fb]), {fb.id: job})[fb.id].error is None
     executor.evict(model)
