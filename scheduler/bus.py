@@ -24,6 +24,7 @@ from contract.kinds import RequestKind
 from contract.queue import QueuedRequest
 from db.models import Request, RequestState
 from scheduler.notify import Answer, Notifier
+from scheduler.remote_streams import RemoteStreams
 from scheduler.sampling import SamplerBusy, SamplerUnavailable
 from workers.celery_app import live_registrations, sampler_key
 
@@ -114,22 +115,32 @@ class _Loop:
 
 
 class FinishedListener(_Loop):
-    """API side: wake this replica's long-polls when the scheduler publishes a finished request."""
+    """API side: wake this replica's long-polls when the scheduler publishes a finished request, and
+    hand the sampler workers' streamed tokens to this replica's streaming calls (`streams`,
+    scheduler/remote_streams.py). Both come on one connection, read by one thread, so a stream's
+    tokens reach its call before its finish does: the worker publishes them before it reports the
+    outcome that the scheduler's FINISHED follows, and Redis delivers one connection's messages in
+    the order they were published."""
 
     name = "finished-listener"
 
-    def __init__(self, client: redis.Redis, notifier: Notifier) -> None:
+    def __init__(self, client: redis.Redis, notifier: Notifier, streams: RemoteStreams | None = None) -> None:
         super().__init__()
         self.redis = client
         self.notifier = notifier
-        self._pubsub = None
+        self.streams = streams
+        self._pubsub = self._subscribe()  # now: before any request is accepted
+
+    def _subscribe(self):
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(FINISHED, **({self.streams.channel: self.streams.deliver} if self.streams else {}))
+        return pubsub
 
     def _once(self) -> None:
         if self._pubsub is None:
-            self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            self._pubsub.subscribe(FINISHED)
+            self._pubsub = self._subscribe()
         try:
-            message = self._pubsub.get_message(timeout=0.5)
+            message = self._pubsub.get_message(timeout=0.5)  # a stream's message goes to its handler
         except redis.ConnectionError:
             self._pubsub = None  # subscribe again on a fresh connection
             raise

@@ -22,6 +22,7 @@ import redis
 from api.app import create_app
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from scheduler.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
+from scheduler.remote_streams import RemoteStreams
 from scheduler.celery_executor import CeleryExecutor
 from scheduler.janitor import Janitor
 from scheduler.notify import Notifier
@@ -53,11 +54,10 @@ def build_api(settings: Settings):
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=inbox, notifier=notifier, model_info=info,
                      sampling_dispatcher=sampling,
                      sampling_unavailable="the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
-    if sampling is not None:  # `stream: true`: tokens straight from the sampler workers (scheduler/remote_streams.py)
-        from scheduler.remote_streams import RemoteStreams
-
-        app.state.sample_streams = RemoteStreams(client, notifier, info.name).start()
-    return app, FinishedListener(client, notifier)
+    # `stream: true`: tokens straight from the sampler workers, read with the finishes (scheduler/remote_streams.py)
+    streams = RemoteStreams(client, notifier, info.name) if sampling is not None else None
+    app.state.sample_streams = streams
+    return app, FinishedListener(client, notifier, streams)
 
 
 class SchedulerProcess:

@@ -9,7 +9,7 @@ engine batches every job in flight. Each outcome goes back through Redis: stored
 request's outcome key, its request id pushed onto the base model's done list. Snapshot folders are read from
 the shared data dir. The worker registers itself (base model, queue, samples in flight) and
 beats like a trainer worker; a dead one's jobs are sent to another sampler by the scheduler.
-A streaming job's new tokens are published as the engine makes them, straight to the API replicas,
+A streaming job's new tokens are published as the engine makes them, straight to the API replica that follows it,
 and a job an API replica aborts (its caller went away) is stopped (workers/sampler/stream_channels.py).
 """
 
@@ -26,7 +26,7 @@ from workers.celery_app import (
     RESULT_TTL_SECONDS, SAMPLE_TASK, make_worker_app, register_worker, sample_done_key, sample_outcome_key,
     sampler_key,
 )
-from workers.sampler.stream_channels import abort_channel, encode_deltas, keep_listening, stream_channel
+from workers.sampler.stream_channels import abort_channel, encode_deltas, keep_listening
 
 _state: dict = {}  # settings, client (make_worker_app), engine, ...
 app = make_worker_app(Settings, _state)  # reads the settings when the worker starts, not on import
@@ -67,9 +67,12 @@ def _done(request_id: str, outcome) -> None:
     client.rpush(_state["done_key"], json.dumps({"request_id": request_id, "worker_id": _state["worker_id"]}))
 
 
-def _progress(request_id: str, deltas) -> None:
-    """Engine thread: a streaming job's new tokens to the API replicas."""
-    _state["client"].publish(stream_channel(request_id), encode_deltas(deltas))
+def _progress_to(channel: str):
+    def progress(request_id: str, deltas) -> None:
+        """Engine thread: a streaming job's new tokens to the API replica that follows it."""
+        _state["client"].publish(channel, encode_deltas(request_id, deltas))
+
+    return progress
 
 
 @app.task(name=SAMPLE_TASK)
@@ -85,4 +88,6 @@ def sample(job_key: str) -> None:
     if engine.failed is not None:
         _done(job.request_id, EngineError(f"the sampler engine failed to start: {engine.failed}"))
         return
-    engine.submit(job, _done, on_progress=_progress if job.stream else None)
+    # a streaming job names the replica that follows it (one submitted in embedded mode and recovered
+    # here would not: its caller is gone, so only its outcome is kept)
+    engine.submit(job, _done, on_progress=_progress_to(job.stream_to) if job.stream and job.stream_to else None)

@@ -63,13 +63,13 @@ def _stored_answer(request: Request, request_id: str) -> Answer | None:
 
 
 def _job(request: Request, target: Target, prompt: list[int], num_samples: int, options: SamplingOptions,
-         topk: int, stream: bool) -> SampleJob:
+         topk: int, stream: bool = False, stream_to: str | None = None) -> SampleJob:
     if request.app.state.sampling is None:
         raise InferenceError(400, f"model: sampling is not available on this server: "
                                   f"{request.app.state.sampling_unavailable}")
     return SampleJob(request_id=new_id(), prompt=tuple(prompt), num_samples=num_samples, options=options,
                      adapter_path=target.adapter_path, topk_sample_logprobs=topk,
-                     policy_version=target.policy_version, stream=stream)
+                     policy_version=target.policy_version, stream=stream, stream_to=stream_to)
 
 
 def _generation(request_id: str, answer: Answer) -> Generation:
@@ -83,7 +83,7 @@ def _generation(request_id: str, answer: Answer) -> Generation:
 async def generate(request: Request, tenant_id: str, target: Target, prompt: list[int], num_samples: int,
                    options: SamplingOptions, topk: int) -> Generation:
     """Sample `num_samples` continuations of `prompt` from `target`; raises InferenceError."""
-    job = _job(request, target, prompt, num_samples, options, topk, stream=False)
+    job = _job(request, target, prompt, num_samples, options, topk)
 
     async def still_connected() -> None:
         if await request.is_disconnected():
@@ -181,8 +181,9 @@ async def generate_stream(request: Request, tenant_id: str, target: Target, prom
     """Submit a streaming sample of `num_samples` continuations of `prompt` from `target`. Every refusal
     (quota, a busy sampler, one that does not stream) raises InferenceError/HTTPException here, before
     the caller has sent anything; then iterate the returned stream (see GenerationStream)."""
-    job = _job(request, target, prompt, num_samples, options, topk, stream=True)
     streamer = _streamer(request)
+    job = _job(request, target, prompt, num_samples, options, topk, stream=True,
+               stream_to=getattr(streamer, "channel", None))
     if streamer is None:
         raise InferenceError(400, STREAMING_NOT_SUPPORTED)
     exits = ExitStack()

@@ -42,6 +42,9 @@ class SampleJob:
     # the engine also reports each step's new tokens (SampleDelta) as it makes them (the API's
     # `stream: true`); the outcome is the same either way
     stream: bool = False
+    # distributed mode: the Redis channel of the API replica that follows the stream (workers/sampler/
+    # stream_channels.py); None: it is followed in this process
+    stream_to: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

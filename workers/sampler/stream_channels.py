@@ -1,10 +1,10 @@
 """Streaming samples between processes (distributed mode): Redis pub/sub channels and their messages.
 
-A sampler worker publishes each step's new tokens of a streaming job on the job's channel; every API
-replica listens to all of them (one pattern subscription, made when it starts, so no step of a later
-job is missed) and hands them to its Notifier, which drops those no call of its own follows. A
-replica whose caller went away publishes the job's id on the base model's abort channel; the worker
-that runs it stops it. Messages are JSON: nothing is unpickled from the network.
+Each API replica listens on a channel of its own (subscribed when it starts, so no step of a later job
+is missed) and names it in the streaming jobs it submits (`SampleJob.stream_to`); the sampler worker
+that runs a job publishes each step's new tokens there, with the job's id, so a replica receives only
+its own callers' streams. A replica whose caller went away publishes the job's id on the base model's
+abort channel; the worker that runs it stops it. Messages are JSON: nothing is unpickled from the network.
 """
 
 from __future__ import annotations
@@ -12,17 +12,15 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 
 from workers.sampler.jobs import SampleDelta
 
 log = logging.getLogger(__name__)
 
-STREAM_PREFIX = "loraplex:sample-stream:"
-STREAM_PATTERN = STREAM_PREFIX + "*"
-
-
-def stream_channel(request_id: str) -> str:
-    return STREAM_PREFIX + request_id
+def replica_channel() -> str:
+    """A new API replica's channel for the streams it follows."""
+    return f"loraplex:sample-stream:{uuid.uuid4().hex}"
 
 
 def abort_channel(base_model: str) -> str:
@@ -35,11 +33,15 @@ def keep_listening(error: Exception, pubsub, thread) -> None:
     time.sleep(1.0)
 
 
-def encode_deltas(deltas: list[SampleDelta]) -> bytes:
-    return json.dumps([[d.index, d.tokens, d.logprobs, d.topk_logprobs] for d in deltas]).encode()
+def encode_deltas(request_id: str, deltas: list[SampleDelta]) -> bytes:
+    return json.dumps({"request_id": request_id,
+                       "deltas": [[d.index, d.tokens, d.logprobs, d.topk_logprobs] for d in deltas]}).encode()
 
 
-def decode_deltas(raw: bytes) -> list[SampleDelta]:
-    return [SampleDelta(index, tuple(tokens), tuple(logprobs),
-                        None if topk is None else tuple(tuple((int(t), float(lp)) for t, lp in row) for row in topk))
-            for index, tokens, logprobs, topk in json.loads(raw)]
+def decode_deltas(raw: bytes) -> tuple[str, list[SampleDelta]]:
+    """(request id, deltas); ValueError (or KeyError, TypeError) if the message is not one."""
+    message = json.loads(raw)
+    return str(message["request_id"]), [
+        SampleDelta(index, tuple(tokens), tuple(logprobs),
+                    None if topk is None else tuple(tuple((int(t), float(lp)) for t, lp in row) for row in topk))
+        for index, tokens, logprobs, topk in message["deltas"]]
