@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from anthropic.types import Message, MessageTokensCount, TextBlock, ToolUseBlock, Usage
+from anthropic.types import Message, MessageTokensCount, ModelInfo, TextBlock, ToolUseBlock, Usage
 
 from api.inference.rendering import Completion
+from api.inference.targets import ListedModel
 from loraplex.wire.codec import SampledSequenceWire
 
 
@@ -50,3 +51,20 @@ def message(*, response_id: str, model: str, prompt_len: int, cached: int, seq: 
 
 def token_count(prompt_len: int) -> dict:
     return MessageTokensCount(input_tokens=prompt_len).model_dump(mode="json")
+
+
+def model_page(models: Sequence[ListedModel], *, limit: int, after_id: str | None, before_id: str | None) -> dict:
+    """One page of GET /v1/models, in the order listed (base model first), cut at the cursor: `limit`
+    models after `after_id`, or the last `limit` before `before_id` (None: from the start)."""
+    ids = [m.id for m in models]
+    if after_id is not None:
+        models = models[ids.index(after_id) + 1:][:limit]
+    elif before_id is not None:
+        models = models[:ids.index(before_id)][-limit:]
+    else:
+        models = models[:limit]
+    data = [ModelInfo(id=m.id, created_at=m.created_at, display_name=m.id, type="model", lifecycle="active")
+            for m in models]
+    more = bool(models) and (models[-1].id != ids[-1] if before_id is None else models[0].id != ids[0])
+    return {"data": [m.model_dump(mode="json", exclude_none=True) for m in data], "has_more": more,
+            "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}

@@ -4,6 +4,8 @@
     POST /anthropic/v1/messages   messages rendered with the base model's chat template, one sample;
                                   stream: true sends Anthropic's events (anthropic_stream.py)
     POST /anthropic/v1/messages/count_tokens   the prompt's length, rendered the same way
+    GET  /anthropic/v1/models     the base model, the caller's sampler checkpoints and policy aliases
+                                  (as /oai/api/v1/models), paged by after_id / before_id / limit
     anything else under /anthropic: 404 naming the route, in Anthropic's error shape
 
 Calls are recorded in the rollout store as api "anthropic.messages", with the same X-Loraplex-* answer
@@ -18,12 +20,12 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api.inference import anthropic_params, calls, rendering
+from api.inference import anthropic_params, calls, rendering, targets
 from api.inference.errors import InferenceError
 from api.public_errors import MAX_ERROR_CHARS, public_error
 
 router = APIRouter(prefix="/anthropic")
-SERVED = "POST /anthropic/v1/messages, POST /anthropic/v1/messages/count_tokens"
+SERVED = "POST /anthropic/v1/messages, POST /anthropic/v1/messages/count_tokens, GET /anthropic/v1/models"
 ANY_METHOD = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -109,6 +111,30 @@ async def create_message(request: Request) -> Response:
             return anthropic_stream.MessageEvents(response_id=turn_id, model=call.model, prompt_len=len(call.prompt))
 
         return await event_streams.stream_and_record(request, tenant, call, build, events_of)
+
+    return await calls.answer(request, work, anthropic_error)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, limit: str = "20", after_id: str | None = None,
+                      before_id: str | None = None) -> Response:
+    async def work() -> Response:
+        answers = await _answers()
+        tenant = await run_in_threadpool(calls.authenticate, request)
+        if not (limit.isdigit() and 1 <= int(limit) <= 1000):
+            raise InferenceError(400, f"limit: an integer from 1 to 1000, not {limit[:40]!r}")
+        if after_id is not None and before_id is not None:
+            raise InferenceError(400, "before_id: give after_id or before_id, not both")
+
+        def listed():
+            with request.app.state.sessions() as db:
+                return targets.listed_models(request, db, tenant.id)
+
+        models = await run_in_threadpool(listed)
+        for field, cursor in (("after_id", after_id), ("before_id", before_id)):
+            if cursor is not None and cursor not in {m.id for m in models}:
+                raise InferenceError(400, f"{field}: {cursor[:240]!r} is not a listed model")
+        return JSONResponse(answers.model_page(models, limit=int(limit), after_id=after_id, before_id=before_id))
 
     return await calls.answer(request, work, anthropic_error)
 

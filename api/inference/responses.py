@@ -21,6 +21,7 @@ from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import PromptTokensDetails
 
 from api.inference.rendering import Completion, token_strings
+from api.inference.targets import ListedModel
 from loraplex.wire.codec import SampledSequenceWire
 
 
@@ -92,9 +93,8 @@ def text_completion(*, response_id: str, model: str, fingerprint: str, prompt_le
                                     usage=_usage(prompt_len, sequences, cached)))
 
 
-def model_list(names: Sequence[str]) -> dict:
+def model_list(models: Sequence[ListedModel]) -> dict:
     from openai.types import Model
 
-    created = int(time.time())
-    return {"object": "list", "data": [Model(id=name, created=created, object="model", owned_by="loraplex")
-                                       .model_dump(mode="json") for name in names]}
+    return {"object": "list", "data": [Model(id=m.id, created=int(m.created_at.timestamp()), object="model",
+                                             owned_by="loraplex").model_dump(mode="json") for m in models]}

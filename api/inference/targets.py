@@ -13,6 +13,8 @@ Anything else, and another tenant's unpublished checkpoint or run, is a 404 that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 
 import sqlalchemy as sa
 from fastapi import HTTPException, Request
@@ -85,12 +87,26 @@ def _snapshot(checkpoint: Checkpoint, model: str) -> Target:
     return Target(checkpoint.tinker_path, checkpoint.storage_path, version)
 
 
-def listed_models(request: Request, db: Session, tenant_id: str) -> list[str]:
-    """What GET /models lists: the base model, the caller's sampler checkpoints and the policy alias of
-    each of its runs that has one."""
-    rows = db.execute(sa.select(Checkpoint.tinker_path, Checkpoint.model_id).join(
+@dataclass(frozen=True)
+class ListedModel:
+    id: str
+    created_at: datetime  # the checkpoint's save, the run's creation, or the base model's files
+
+
+def listed_models(request: Request, db: Session, tenant_id: str) -> list[ListedModel]:
+    """What the model lists show: the base model, the policy alias of each of the caller's runs that has
+    a sampler checkpoint, and those checkpoints (oldest first)."""
+    rows = db.execute(sa.select(Checkpoint.tinker_path, Checkpoint.created_at, TrainingModel.id,
+                                TrainingModel.created_at.label("run_created_at")).join(
         TrainingModel, TrainingModel.id == Checkpoint.model_id,
     ).where(Checkpoint.tenant_id == tenant_id, Checkpoint.kind == CheckpointKind.SAMPLER,
             TrainingModel.deleted_at.is_(None)).order_by(Checkpoint.created_at)).all()
-    runs = dict.fromkeys(row.model_id for row in rows)
-    return [request.app.state.model_info.name, *(alias(run) for run in runs), *(row.tinker_path for row in rows)]
+    info = request.app.state.model_info
+    base = ListedModel(info.name, datetime.fromtimestamp(Path(info.path).stat().st_mtime, timezone.utc))
+    runs = {row.id: ListedModel(alias(row.id), _utc(row.run_created_at)) for row in rows}
+    return [base, *runs.values(), *(ListedModel(row.tinker_path, _utc(row.created_at)) for row in rows)]
+
+
+def _utc(stored: datetime) -> datetime:
+    """The database's naive UTC times (db/models.utcnow), as aware ones."""
+    return stored.replace(tzinfo=timezone.utc) if stored.tzinfo is None else stored

@@ -97,7 +97,7 @@ def test_errors_are_anthropic_shaped_and_name_the_field(server, client, lp, api_
             model="tiny", max_tokens=1, messages=MESSAGES)
     assert bad_key.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError, match="not supported by this server"):
-        client.models.list()
+        client.models.retrieve("tiny")
     # a bearer token works as x-api-key does
     bearer = httpx.post(f"{server.base_url}/anthropic/v1/messages", headers={"Authorization": f"Bearer {api_key}"},
                         json={"model": "tiny", "max_tokens": 1, "messages": MESSAGES})
@@ -118,6 +118,21 @@ def test_errors_are_anthropic_shaped_and_name_the_field(server, client, lp, api_
     with pytest.raises(anthropic.BadRequestError, match="max_tokens: not a parameter"):
         client.messages.count_tokens(model=path, messages=MESSAGES, extra_body={"max_tokens": 4})
     assert client.messages.create(model=path, max_tokens=1, messages=MESSAGES).usage.output_tokens == 1
+
+    # the model list: the base model for everyone, the owner's snapshots and policy alias for the owner
+    assert [m.id for m in other.models.list()] == ["loraplex/tiny"]
+    alias = f"tinker://{training.model_id}/sampler_weights/@latest"
+    listed = list(client.models.list(limit=1))  # the SDK pages through all of them, one model a page
+    assert {alias, path} <= {m.id for m in listed} and listed[0].id == "loraplex/tiny"
+    assert [m.id for m in listed] == [m.id for m in client.models.list(limit=1000).data]
+    assert all(m.type == "model" and m.created_at.tzinfo is not None for m in listed)
+    page = client.models.list(before_id=listed[-1].id, limit=1)
+    assert [m.id for m in page.data] == [listed[-2].id] and page.has_more
+    for fields, field in ((dict(limit=0), "limit"), (dict(after_id="nothing"), "after_id"),
+                          (dict(after_id=path, before_id=path), "before_id")):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.models.list(**fields)
+        assert refused.value.body["error"]["message"].startswith(f"{field}: ")
 
 
 def test_a_tool_use_round_trip(server, tool_lora, tokenizer, monkeypatch):
