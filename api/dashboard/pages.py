@@ -55,14 +55,24 @@ def _login(request: Request, status_code: int = 200) -> Response:
     return _page(request, "login.html", None, status_code, next=wanted)
 
 
+async def _shell(request: Request, template: str, title: str, *, login_status: int = 401, run_id: str | None = None,
+                 operators_only: bool = False, **context) -> Response:
+    """A page for the viewer of the session: the login form without one (coming back here after), 403 for
+    an operators' page shown to a tenant, and the page's status 404 for a run the viewer may not see."""
+    viewer = await _viewer(request)
+    if viewer is None:
+        return _login(request, login_status)
+    if operators_only and not viewer.is_admin:
+        return _page(request, "forbidden.html", viewer, 403, title="Operators only")
+    status = 200 if run_id is None else await run_in_threadpool(_run_status, request, viewer, run_id)
+    return _page(request, template, viewer, status, title=title, run_id=run_id, **context)
+
+
 @router.get("", name="dashboard")
 @router.get("/", include_in_schema=False)
 async def run_list(request: Request) -> Response:
-    """The login form without a session; else the viewer's runs, to open one or compare several."""
-    viewer = await _viewer(request)
-    if viewer is None:
-        return _login(request)
-    return _page(request, "runs.html", viewer, title="Training runs")
+    """The viewer's runs, to open one or compare several (the first page: its login form is no error)."""
+    return await _shell(request, "runs.html", "Training runs", login_status=200)
 
 
 @router.get("/login")
@@ -76,48 +86,28 @@ async def login_form(request: Request) -> Response:
 @router.get("/compare")
 async def compare(request: Request) -> Response:
     """Several runs' series on shared axes; the runs come as ?run=<id>&run=<id> (checked by the API)."""
-    viewer = await _viewer(request)
-    if viewer is None:
-        return _login(request, 401)
-    return _page(request, "compare.html", viewer, title="Compare runs")
+    return await _shell(request, "compare.html", "Compare runs")
 
 
 @router.get("/runs/{run_id}")
 async def run_page(request: Request, run_id: str) -> Response:
     """One run: its charts on a shared step axis, RL groups, failed requests."""
-    viewer = await _viewer(request)
-    if viewer is None:
-        return _login(request, 401)
-    status = await run_in_threadpool(_run_status, request, viewer, run_id)
-    return _page(request, "run.html", viewer, status, title=f"Run {run_id}", run_id=run_id)
+    return await _shell(request, "run.html", f"Run {run_id}", run_id=run_id)
 
 
 @router.get("/runs/{run_id}/trajectories/{session_id}")
 async def trajectory_page(request: Request, run_id: str, session_id: str) -> Response:
     """One trajectory's sampled tokens as a heatmap of the sampler's logprobs, beside the trainer's."""
-    viewer = await _viewer(request)
-    if viewer is None:
-        return _login(request, 401)
-    status = await run_in_threadpool(_run_status, request, viewer, run_id)
-    return _page(request, "trajectory.html", viewer, status, title=f"Trajectory {session_id}", run_id=run_id,
-                 session_id=session_id)
+    return await _shell(request, "trajectory.html", f"Trajectory {session_id}", run_id=run_id, session_id=session_id)
 
 
 @router.get("/usage")
 async def usage_page(request: Request) -> Response:
     """Tokens trained and sampled per day, by base model."""
-    viewer = await _viewer(request)
-    if viewer is None:
-        return _login(request, 401)
-    return _page(request, "usage.html", viewer, title="Tokens per day")
+    return await _shell(request, "usage.html", "Tokens per day")
 
 
 @router.get("/admin")
 async def admin_page(request: Request) -> Response:
     """The operator's view of every tenant, the scheduler's cycles and the sampler's queue."""
-    viewer = await _viewer(request)
-    if viewer is None:
-        return _login(request, 401)
-    if not viewer.is_admin:
-        return _page(request, "forbidden.html", viewer, 403, title="Operators only")
-    return _page(request, "admin.html", viewer, title="Operator view")
+    return await _shell(request, "admin.html", "Operator view", operators_only=True)

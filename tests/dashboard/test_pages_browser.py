@@ -218,6 +218,11 @@ def test_trajectory_viewer_shows_both_logprobs_per_token(server, world, open_pag
     # trained on exactly these tokens, so the trainer's logprob of each is there, and near the sampler's
     np.testing.assert_allclose([lp for _, _, lp in shown], first.logprobs, atol=1e-3)
     screenshot(page, "trajectory")
+    # a reward attached later shows without a reload (each choice's own reward still ranks it in its group)
+    page.evaluate("window.sameDocument = true")
+    world.rollouts.set_reward(session, 0.75)
+    expect(page.locator("#trajectory-summary")).to_contain_text("trajectory reward 0.75", timeout=15_000)
+    assert page.evaluate("window.sameDocument") is True
 
 
 def test_charts_update_live_without_reload(server, world, open_page):

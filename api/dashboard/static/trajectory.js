@@ -51,12 +51,17 @@
       tokenTable(choice));
   }
 
+  let drawn = null;  // the trajectory as last drawn (JSON)
+
   async function refresh() {
     const path = `/runs/${encodeURIComponent(runId)}/trajectories/${encodeURIComponent(sessionId)}`;
     const trajectory = await Dash.getJSON(path).catch((error) => {
       Dash.showError(document.getElementById("trajectory-error"), error);
       throw error;
     });
+    const text = JSON.stringify(trajectory);
+    if (text === drawn) return true;  // unchanged: the page stays as the reader left it (open tables, focus)
+    drawn = text;
     document.getElementById("trajectory-summary").textContent =
       `${trajectory.turns.length} turn${trajectory.turns.length === 1 ? "" : "s"} · `
       + `trajectory reward ${number(trajectory.reward)}`;
@@ -64,7 +69,7 @@
       el("h2", {}, `Turn ${turn.turn} · policy version ${turn.policy_version ?? "base model"} · `
                    + `${turn.prompt_tokens} prompt tokens`),
       turn.choices.map(choiceBlock))));
-    return false;  // a trajectory is recorded once: no polling
+    return true;  // later turns, rewards and the trainer's logprobs arrive while it is open
   }
 
   Dash.poll(refresh);
