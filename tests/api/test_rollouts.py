@@ -117,9 +117,9 @@ def test_routes_not_served_yet_say_so(api, keys):
         "/oai/api/v1/embeddings: not supported by this server yet")
     anthropic = TestClient(api.app, base_url="http://test/anthropic")
     assert anthropic.post("/v1/messages", json={}).status_code == 401
-    answer = anthropic.get("/v1/models", headers={"x-api-key": alice})
+    answer = anthropic.get("/v1/files", headers={"x-api-key": alice})
     assert answer.status_code == 404 and answer.json()["error"]["type"] == "not_found_error"
-    assert answer.json()["error"]["message"].startswith("/anthropic/v1/models: not supported by this server")
+    assert answer.json()["error"]["message"].startswith("/anthropic/v1/files: not supported by this server")
     # the Messages API itself, past the key: this app has no sampler, and says so in Anthropic's shape
     answer = anthropic.post("/v1/messages", headers={"x-api-key": alice}, json={
         "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
