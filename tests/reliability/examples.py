@@ -216,7 +216,8 @@ EXAMPLES: dict[tuple[str, str], Example] = {
 
     **{(method, f"{OAI}/{{route:path}}"): Example(TENANT, lambda w: {"route": "embeddings"},
                                                   owner_status=frozenset({404})) for method in ANY_METHOD},
-    **{(method, "/anthropic/{route:path}"): Example(TENANT, lambda w: {"route": "v1/models"},
+    ("GET", "/anthropic/v1/models"): Example(TENANT),
+    **{(method, "/anthropic/{route:path}"): Example(TENANT, lambda w: {"route": "v1/files"},
                                                     owner_status=frozenset({404})) for method in ANY_METHOD},
 }
 
