@@ -1,1 +1,1 @@
-"""The HTTP API: the Tinker wire protocol under /api/v1 (see ../shared/tinker-protocol.md)."""
+"""The HTTP API: the Tinker wire protocol under /api/v1 (docs/protocol.md, section "Transport")."""

@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 # What AutoTokenizer may read. config.json too: transformers 5 reads it on the hub/cache path to
-# pick the tokenizer class when tokenizer_config.json does not settle it (tinker-protocol.md §9).
+# pick the tokenizer class when tokenizer_config.json does not settle it (docs/protocol.md, "Tokenizers").
 TOKENIZER_FILES = (
     "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",

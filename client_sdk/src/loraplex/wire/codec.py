@@ -5,7 +5,7 @@ naming the offending field) for anything malformed; no protobuf, zstd or numpy e
 Encoding functions take server-produced values and raise plain ``ValueError`` for inputs the
 official SDK could not read (they indicate a server bug, not a client error).
 
-All numeric byte blobs on the wire are little-endian raw arrays (see tinker-protocol.md §6).
+All numeric byte blobs on the wire are little-endian raw arrays (docs/protocol.md, "Byte blobs").
 """
 
 from __future__ import annotations
