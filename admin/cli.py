@@ -26,9 +26,9 @@ from sqlalchemy.orm import Session
 
 from db import usage as usage_queries
 from db.models import QUOTA_FIELDS, ApiKey, Checkpoint, Quota, Tenant, TrainingModel, utcnow
+from db.tenants import create_tenant, issue_key
 from service.settings import Settings
-from service.tenants import create_tenant, issue_key
-from workers import store
+from storage import store
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.split("\n\n")[0])
 tenants_app = typer.Typer(no_args_is_help=True, help="create, list, disable, enable")
@@ -238,8 +238,8 @@ def checkpoints_list(tenant: Optional[str] = typer.Option(None), run: Optional[s
 @checkpoints_app.command("export")
 def checkpoints_export(tinker_path: str, dest: Path) -> None:
     """Write a checkpoint's adapter to DEST as a PEFT folder."""
-    from workers.models.registry import model_info
-    from workers.trainer.checkpoints import export_peft
+    from models.registry import model_info
+    from storage.peft_export import export_peft
 
     with session() as s:
         row = _checkpoint(s, tinker_path)
@@ -252,7 +252,7 @@ def checkpoints_export(tinker_path: str, dest: Path) -> None:
 
 @checkpoints_app.command("delete")
 def checkpoints_delete(tinker_path: str) -> None:
-    from scheduler.janitor import delete_checkpoint
+    from db.checkpoints import delete_checkpoint
 
     with session() as s:
         delete_checkpoint(s, _checkpoint(s, tinker_path))
@@ -284,7 +284,7 @@ def _live_model(s: Session, model_id: str) -> TrainingModel:
 
 def _engine(model: TrainingModel):
     """A trainer engine on the model's base model, set up as the server's (this process replays on it)."""
-    from workers.models.registry import model_info
+    from models.registry import model_info
     from workers.trainer.engine import TrainerEngine
 
     settings: Settings = _state["settings"]
@@ -303,8 +303,8 @@ def _fail(message: str) -> None:
 def models_state(model_id: str) -> None:
     """The model's stored training states (verified, or what is wrong) and the bases a rebuild could use."""
     from admin.model_state import bases
-    from workers.trainer.checkpoint_files import CheckpointError, verify_training_state
-    from workers.trainer.live_slots import read_slots
+    from storage.checkpoint_files import CheckpointError, verify_training_state
+    from storage.live_slots import read_slots
 
     settings: Settings = _state["settings"]
     with session() as s:
@@ -399,7 +399,7 @@ app.add_typer(operator_keys_app, name="operator-keys")
 @operator_keys_app.command("issue")
 def operator_keys_issue() -> None:
     """Issue an operator key (tmo-...), printed once: it logs into /dashboard and sees every tenant."""
-    from service.operator_keys import issue_operator_key
+    from db.operator_keys import issue_operator_key
 
     with session() as s:
         print(issue_operator_key(s))
@@ -408,7 +408,7 @@ def operator_keys_issue() -> None:
 @operator_keys_app.command("revoke")
 def operator_keys_revoke(key_prefix: str = typer.Argument(..., help="the key's first characters (tmo-...)")) -> None:
     """Revoke operator keys by prefix: their dashboard sessions end at once."""
-    from service.operator_keys import revoke_operator_key
+    from db.operator_keys import revoke_operator_key
 
     with session() as s:
         count = revoke_operator_key(s, key_prefix.removesuffix("..."))

@@ -28,10 +28,10 @@ from contract.payloads import CreateModelPayload, LoadWeightsPayload, SaveWeight
 from contract.queue import Outcome
 from db.models import Checkpoint, CheckpointKind, Request, RequestState, TrainingModel
 from service.settings import Settings
-from workers.trainer.checkpoint_files import CheckpointError, verify_training_state
+from storage.checkpoint_files import CheckpointError, verify_training_state
+from storage.live_slots import read_slots
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
-from workers.trainer.live_slots import read_slots
 
 CHANGES_WEIGHTS = (RequestKind.OPTIM_STEP, *STARTS_HISTORY)
 
@@ -145,7 +145,7 @@ class _ReplayOnto:
 def rebuild(s: Session, sessions, model: TrainingModel, settings: Settings, base: Base, engine: TrainerEngine) -> int:
     """Put `base` into `engine`, replay the model's requests after it and write the result as the model's
     stored state (both slots). The number of requests replayed; RuntimeError if one failed now."""
-    from scheduler.notify import Notifier
+    from messaging.notify import Notifier
     from scheduler.service import SchedulerService
 
     executor = InProcessExecutor(engine, settings.live_dir)

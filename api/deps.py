@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from db.models import ApiKey, Tenant
-from service.tenants import hash_key
+from db.tenants import hash_key
 
 T = TypeVar("T")
 

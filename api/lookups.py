@@ -43,14 +43,14 @@ def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:
 
 def serves(request: Request, name: str) -> bool:
     """Whether `name` is the served base model: its hub id or one of its aliases."""
-    from workers.models.registry import hub_id
+    from models.registry import hub_id
 
     return hub_id(name) == request.app.state.model_info.name
 
 
 def served_names(request: Request) -> str:
     """The served model's names, for an error: "'loraplex/tiny' (also named 'tiny')"."""
-    from workers.models.registry import names_of
+    from models.registry import names_of
 
     name, *aliases = names_of(request.app.state.model_info.name)
     return repr(name) + (f" (also named {', '.join(map(repr, aliases))})" if aliases else "")

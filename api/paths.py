@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException
 
-from workers import store
+from storage import store
 
 CHECKPOINT_KINDS = {"weights": "training_state", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -49,7 +49,7 @@ class TinkerPath:
 
 
 def storage_path(checkpoint_dir: str, tenant_id: str, path: TinkerPath) -> str:
-    """Where a checkpoint's files go: a location in the checkpoint store (workers/store.py)."""
+    """Where a checkpoint's files go: a location in the checkpoint store (storage/store.py)."""
     return store.join(checkpoint_dir, tenant_id, path.run_id, path.kind, path.name)
 
 

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 from api.deps import tenant_of_key
 from api.public_errors import MAX_ERROR_CHARS
 from api.refusals import PREFIX_BYTES, read_seq_ref, record_refusal
-from service.tenants import hash_key
+from db.tenants import hash_key
 
 UNAUTHENTICATED_BODY_BYTES = 64 * 1024  # more than any request that needs no key
 _KEY_CACHE_SECONDS = 30.0  # only gates body reading; every route still authenticates for itself

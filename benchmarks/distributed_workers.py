@@ -26,15 +26,13 @@ from pathlib import Path
 import numpy as np
 import redis
 import typer
+from loraplex.wire.client import encode_forward_backward_request
 
 from contract.configs import LoraConfig
-from contract.queue import Job
-from contract.queue import QueuedRequest
-from contract.queue import Cycle
-from loraplex.wire.client import encode_forward_backward_request
+from contract.queue import Cycle, Job, QueuedRequest
+from contract.redis_keys import worker_key
+from models.registry import model_info
 from scheduler.celery_executor import CeleryExecutor
-from workers.celery_app import worker_key
-from workers.models.registry import model_info
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 
@@ -93,7 +91,7 @@ def start_workers(names: list[str], model: str, data_dir: Path) -> list[subproce
                             # the cores shared out: two workers with all cores each oversubscribe them
                             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // len(names)))}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.celery_worker", "worker", "--pool", "solo", "-Q",
+            [sys.executable, "-m", "celery", "-A", "service.celery_worker", "worker", "--pool", "solo", "-Q",
              f"trainer.{name}", "-n", f"{name}@localhost", "--without-gossip", "--without-mingle", "--without-heartbeat",
              "-l", "WARNING"], cwd=ROOT, env=env))
     while not all(client.get(worker_key(n)) for n in names):

@@ -35,7 +35,7 @@ from loraplex.types import AdamParams
 from service.settings import Settings
 from workers.host_memory import retain_freed_host_memory
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+from contract.inputs import EngineDatum, ForwardBackwardInput
 
 model, tokens, passes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 keep = Settings().keep_glibc_malloc_defaults

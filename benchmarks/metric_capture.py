@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import loraplex
 import numpy as np
 import typer
-
-import loraplex
 from loraplex import types
+
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 
@@ -52,7 +52,7 @@ def capture_alone(server: ServerThread, data: list[types.Datum], blocks: int = 1
     """Microseconds per call of the capture function on one request's engine output (in-process): the
     fastest of `blocks` blocks, the function's own cost with the least interference from other jobs."""
     from contract.configs import LoraConfig
-    from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+    from contract.inputs import EngineDatum, ForwardBackwardInput
     from workers.trainer.run_metrics import forward_backward_metrics
 
     engine = server.embedded.executor.engine
@@ -73,10 +73,11 @@ def executor_cycles(data: list[types.Datum], base_model: str, cycles: int) -> di
     """Thread CPU ms of the trainer's forward_backward cycle (an InProcessExecutor on this thread, as the
     embedded server's and each Celery worker's), capture on and off in ABBA order: the trainer's side
     of the cost, without HTTP, the database or other threads."""
+    from loraplex.wire.client import encode_forward_backward_request
+
     from contract.configs import LoraConfig
     from contract.kinds import RequestKind
     from contract.queue import Cycle, Job, QueuedRequest
-    from loraplex.wire.client import encode_forward_backward_request
     from workers.trainer.engine import TrainerEngine
     from workers.trainer.executor import InProcessExecutor
 

@@ -29,16 +29,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import loraplex
 import openai
 import typer
+from loraplex import types
 from transformers import AutoTokenizer
 
-import loraplex
-from loraplex import types
+from models.registry import model_info
 from service.embedded import free_port
 from tests.distributed.processes import create_tenant_key, start_service, wait_healthy
 from tests.reliability.processes import stop
-from workers.models.registry import model_info
 
 RESULTS = Path(__file__).parent / "results"
 WAYS = ("direct", "completions", "chat")

@@ -84,8 +84,8 @@ def run_jobs(engine, jobs) -> tuple[float, int]:
 def vllm_run(scenario: str, model_path: str, dtype: str, snapshots: list[str], max_tokens: int,
              fresh_snapshots: list[str]) -> dict:
     """One scenario in this (child) process: start an engine, warm it up, time the jobs."""
+    from contract.sampling import SampleJob, SamplingOptions
     from workers.sampler.engine import SamplerConfig, SamplerEngine
-    from workers.sampler.jobs import SampleJob, SamplingOptions
 
     if scenario.startswith("beside"):  # a parallel op on this thread gives it an OpenMP team, like the trainer's
         torch.ones(512, 512) @ torch.ones(512, 512)
@@ -140,7 +140,7 @@ def hf_peft_serial(model_path: Path, dtype: str, snapshots: list[str], max_token
 
 def main(model: str = "SmolLM2-135M-Instruct", dtype: str = "bfloat16", max_tokens: int = 64, device: str = "cpu",
          results_path: Path = typer.Option(RESULTS, "--results")) -> None:
-    from workers.models.registry import model_info
+    from models.registry import model_info
 
     info = model_info(model)
     folder = Path(tempfile.mkdtemp(prefix="loraplex-bench-"))

@@ -45,9 +45,10 @@ from tests.servers import metric
 from workers.trainer.engine import TrainerEngine
 
 try:
-    from contract.configs import LoraConfig
     from loraplex.types import AdamParams
-    from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+
+    from contract.configs import LoraConfig
+    from contract.inputs import EngineDatum, ForwardBackwardInput
 except ModuleNotFoundError:  # the layout before the torch-free contract (c980d9e), for --before
     from workers.trainer.adapters import AdamParams, LoraConfig
     from workers.trainer.batch import Datum as EngineDatum

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 import transformers
 import typer
+from loraplex.types import AdamParams
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.batch import pack, prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 RANK = 16

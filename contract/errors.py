@@ -26,3 +26,11 @@ class InvalidInputError(EngineError, ValueError):
 class UnknownAdapterError(InvalidInputError):
     def __init__(self, adapter_id: str) -> None:
         super().__init__("adapter_id", f"no adapter {adapter_id!r}")
+
+
+class SamplerBusy(Exception):
+    """Too many samples in flight: the API answers 429 and the client backs off and retries."""
+
+
+class SamplerUnavailable(Exception):
+    """The engine is down: the API answers 503."""

@@ -1,7 +1,7 @@
 """The JSON payload of each request kind: what the API stores with the request and the executor reads.
 
 A forward/forward_backward's payload is its protobuf body (loraplex.wire.codec decodes it); a
-sample's is a `SampleJob` (workers/sampler/jobs.py); every other kind's is one of these models.
+sample's is a `SampleJob` (contract/sampling.py); every other kind's is one of these models.
 The API builds the model and stores `to_bytes()`; the executor `parse`s it back. Fields left unset
 are left out of the bytes, as they were before these models existed, so stored rows of either age
 read the same.
@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+from loraplex.types import AdamParams
 from pydantic import BaseModel
 
 from contract.configs import LoraConfig
 from contract.kinds import RequestKind
-from loraplex.types import AdamParams
 
 
 class Payload(BaseModel):

@@ -231,7 +231,7 @@ class Checkpoint(Base):
 
 class RecordedSequence(Base):
     """A sequence sampled with record_stability_info: what stable_reinforce trains it against
-    (scheduler/stability.py). Kept one day after sampling or after its last use in training."""
+    (db/stability.py). Kept one day after sampling or after its last use in training."""
 
     __tablename__ = "recorded_sequences"
 

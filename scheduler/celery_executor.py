@@ -1,4 +1,4 @@
-"""An executor that runs cycles on Celery trainer workers (workers/celery_worker.py).
+"""An executor that runs cycles on Celery trainer workers (service/celery_worker.py).
 
 Placement: a model sticks to one worker (its gradients and Adam state live there); a model seen
 for the first time, or whose worker is gone, goes to the live worker with the fewest models.
@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import pickle
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 from contract.queue import Cycle, Job, Outcome
-from workers.celery_app import EVICT_TASK, RESULT_TTL_SECONDS, TASK, live_registrations, make_app, worker_key
-from workers.trainer.live_slots import newest_verified, read_slots
-
-PLACEMENT = "loraplex:placement"  # Redis hash: model id -> worker id
+from contract.redis_keys import EVICT_TASK, PLACEMENT, RESULT_TTL_SECONDS, TASK, cycle_done_key, cycle_key, worker_key
+from messaging.celery_app import live_registrations, make_app
+from storage.live_slots import newest_verified, read_slots
 
 
 class WorkerLost(RuntimeError):
@@ -172,7 +170,7 @@ class CeleryExecutor:
         self.redis.close()
 
     def _send(self, worker: dict, task: str, data):
-        key = f"loraplex:cycle:{uuid.uuid4().hex}"
+        key = cycle_key()
         self.redis.set(key, pickle.dumps(data), ex=RESULT_TTL_SECONDS)
         return key, self.app.send_task(task, args=[key], queue=worker["queues"][0])
 
@@ -180,7 +178,7 @@ class CeleryExecutor:
         """Block on the worker's "done" list (no polling delay); between waits, check its heartbeat."""
         try:
             while True:
-                done = self.redis.blpop([f"{key}:done"], timeout=0.5)
+                done = self.redis.blpop([cycle_done_key(key)], timeout=0.5)
                 if done is not None:
                     out_key = done[1]
                     break
@@ -192,4 +190,4 @@ class CeleryExecutor:
             self.redis.delete(out_key)
             return outcomes
         finally:
-            self.redis.delete(key, f"{key}:done")
+            self.redis.delete(key, cycle_done_key(key))

@@ -1,7 +1,7 @@
 """Storage that outlived its use goes away by itself: expired checkpoints, ephemeral snapshots, rollouts.
 
 - A checkpoint whose TTL passed is deleted (files and record).
-- Recorded sampled sequences (stable_reinforce, scheduler/stability.py) past their day go.
+- Recorded sampled sequences (stable_reinforce, db/stability.py) past their day go.
 - Rollout-store trajectories (db/rollouts.py) untouched for their tenant's `rollout_ttl_seconds` go,
   turns and samples with them.
 - An ephemeral sampler snapshot (`save_weights_and_get_sampling_client()`: saved without a name)
@@ -25,24 +25,11 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from db import rollouts
+from db import rollouts, stability
+from db.checkpoints import delete_checkpoint
 from db.models import Checkpoint, Request, Sampler, utcnow
-from scheduler import stability
-from workers import store
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_root(storage_path: str, kind: str) -> str:
-    """The folder holding every file of a checkpoint (all versions, for sampler weights)."""
-    return store.parent(storage_path) if kind == "sampler" else storage_path
-
-
-def delete_checkpoint(s: Session, row: Checkpoint) -> None:
-    """Its files, then its record (the caller commits): a crash in between leaves a record whose
-    files are gone, which answers 404 on use, never files without a record."""
-    store.delete(checkpoint_root(row.storage_path, row.kind))
-    s.delete(row)
 
 
 def prune_expired(s: Session, now: datetime) -> int:

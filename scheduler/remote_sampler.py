@@ -1,5 +1,5 @@
 """The sampler engine's interface (`submit`, `pending`, `failed`, `start`, `close`) over Celery
-sampler workers (workers/sampler_worker.py), for the scheduler's SamplingDispatcher.
+sampler workers (service/sampler_worker.py), for the scheduler's SamplingDispatcher.
 
 Placement: jobs of one adapter snapshot go to the same live worker (rendezvous hashing on the
 snapshot folder), so its LoRA stays loaded there; base-model jobs spread by request id. A job
@@ -21,11 +21,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from contract.errors import EngineError
-from workers.celery_app import (
-    HEARTBEAT_SECONDS, RESULT_TTL_SECONDS, SAMPLE_TASK, live_registrations, make_app, sample_done_key, sample_outcome_key,
+from contract.redis_keys import (
+    RESULT_TTL_SECONDS,
+    SAMPLE_TASK,
+    sample_done_key,
+    sample_job_key,
+    sample_outcome_key,
     sampler_key,
 )
-from workers.sampler.jobs import SampleJob
+from contract.sampling import SampleJob
+from messaging.celery_app import HEARTBEAT_SECONDS, live_registrations, make_app
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +123,7 @@ class RemoteSamplerEngine:
                 dispatch.worker_id = rendezvous(dispatch.job.adapter_path or dispatch.job.request_id, list(queues))
                 dispatch.attempts += 1
                 self._sent[dispatch.job.request_id] = dispatch
-            key = f"loraplex:sample-job:{dispatch.job.request_id}:{dispatch.attempts}"
+            key = sample_job_key(dispatch.job.request_id, dispatch.attempts)
             self.redis.set(key, dispatch.job.to_json(), ex=RESULT_TTL_SECONDS)
             self.app.send_task(SAMPLE_TASK, args=[key], queue=queues[dispatch.worker_id])
 

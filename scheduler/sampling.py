@@ -16,26 +16,17 @@ import logging
 import threading
 
 import sqlalchemy as sa
+from loraplex.wire.codec import PROTOBUF, encode_sample_response
 from sqlalchemy.orm import Session, sessionmaker
 
-from contract.errors import EngineError
+from contract.errors import EngineError, SamplerBusy, SamplerUnavailable
 from contract.kinds import RequestKind
-from db import run_metrics
+from contract.sampling import SampleJob, SampleResult
+from db import run_metrics, stability
 from db.models import Request, RequestState, utcnow
-from loraplex.wire.codec import PROTOBUF, encode_sample_response
-from scheduler import stability
-from scheduler.notify import Answer, Notifier
-from workers.sampler.jobs import SampleJob, SampleResult
+from messaging.notify import Answer, Notifier
 
 log = logging.getLogger(__name__)
-
-
-class SamplerBusy(Exception):
-    """Too many samples in flight: the API answers 429 and the client backs off and retries."""
-
-
-class SamplerUnavailable(Exception):
-    """The engine is down: the API answers 503."""
 
 
 class SamplingDispatcher:
@@ -48,7 +39,7 @@ class SamplingDispatcher:
         self.engine = engine
         self.notifier = notifier
         self.max_pending = max_pending
-        # a second copy of a job in flight is dropped (scheduler/bus.py); the job is kept for its outcome
+        # a second copy of a job in flight is dropped (messaging/bus.py); the job is kept for its outcome
         self._in_flight: dict[str, SampleJob] = {}
         self._lock = threading.Lock()
 

@@ -15,12 +15,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
-
-from datetime import datetime, timedelta
 
 from contract.executor import Executor
 from contract.kinds import BATCHABLE_KINDS, RequestKind
@@ -28,8 +27,8 @@ from contract.payloads import RejectedPayload
 from contract.queue import JSON, Cycle, Job, Outcome, QueuedRequest
 from db import run_metrics
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
+from messaging.notify import Answer, Notifier
 from scheduler import metrics
-from scheduler.notify import Answer, Notifier
 from scheduler.ordering import ReorderBuffer
 from scheduler.planner import CyclePlanner
 

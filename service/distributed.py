@@ -2,12 +2,12 @@
 
     python -m service api         # any number of replicas: HTTP, validation, the database, no engines
     python -m service scheduler   # exactly one: orders and plans cycles, runs them on the workers
-    celery -A workers.celery_worker worker ...    # trainer workers (one per device)
-    celery -A workers.sampler_worker worker ...   # sampler workers (one per device)
+    celery -A service.celery_worker worker ...    # trainer workers (one per device)
+    celery -A service.sampler_worker worker ...   # sampler workers (one per device)
 
 All of them share one database (Postgres), one Redis and one data dir (checkpoints and adapter
 state). The API stores each request and pushes it to the scheduler through Redis; the scheduler
-stores every outcome and publishes it; each API replica wakes its long-polls (scheduler/bus.py).
+stores every outcome and publishes it; each API replica wakes its long-polls (messaging/bus.py).
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ import prometheus_client
 import redis
 
 from api.app import create_app
+from contract.redis_keys import scheduler_key
 from db.session import make_engine, make_session_factory, upgrade_to_head
-from scheduler.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
-from scheduler.remote_streams import RemoteStreams
+from messaging.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
+from messaging.celery_app import start_heartbeat
+from messaging.notify import Notifier
+from messaging.remote_streams import RemoteStreams
+from models.registry import model_info
 from scheduler.celery_executor import CeleryExecutor
 from scheduler.janitor import Janitor
-from scheduler.notify import Notifier
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
 from service.settings import Settings
-from workers import store
-from workers.celery_app import scheduler_key, start_heartbeat
-from workers.models.registry import model_info
+from storage import store
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def build_api(settings: Settings):
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=inbox, notifier=notifier, model_info=info,
                      sampling_dispatcher=sampling,
                      sampling_unavailable="the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
-    # `stream: true`: tokens straight from the sampler workers, read with the finishes (scheduler/remote_streams.py)
+    # `stream: true`: tokens straight from the sampler workers, read with the finishes (messaging/remote_streams.py)
     streams = RemoteStreams(client, notifier, info.name) if sampling is not None else None
     app.state.sample_streams = streams
     return app, FinishedListener(client, notifier, streams)

@@ -24,15 +24,15 @@ from api.app import create_app
 from contract.executor import Executor
 from db.models import Tenant
 from db.session import make_engine, make_session_factory, upgrade_to_head
+from db.tenants import create_tenant
+from messaging.notify import Notifier
+from models.registry import model_info
 from scheduler.janitor import Janitor
-from scheduler.notify import Notifier
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
 from service.settings import Settings
-from service.tenants import create_tenant
-from workers import store
+from storage import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.models.registry import model_info
 from workers.sampler.engine import SamplerConfig, SamplerEngine
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor

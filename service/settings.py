@@ -16,8 +16,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from workers import store
-from workers.models import registry
+from models import registry
+from storage import store
 
 
 class Settings(BaseSettings):
@@ -28,14 +28,14 @@ class Settings(BaseSettings):
                            "adapter state; in distributed mode a folder every machine mounts (flag --data-dir)")
     store_url: str = Field("", description="checkpoints, sampler snapshots and adapter state: a path or an fsspec URL "
                            "every process reaches, e.g. s3://bucket/loraplex with FSSPEC_S3_* options "
-                           "(workers/store.py; empty: data_dir)")
+                           "(storage/store.py; empty: data_dir)")
     store_cache: str = Field("", description="where the folders of a remote store_url are downloaded, once per version "
                              "(empty: loraplex-store-cache in the system's temp dir)")
     database_url: str = Field("", description="SQLAlchemy URL, e.g. postgresql+psycopg://... (empty: SQLite under data_dir)")
     base_model: str = Field("tiny", description="a registered model's hub id or short name (tiny, SmolLM2-135M-Instruct; "
-                            "workers/models/registry.py) or a local Hugging Face folder (flag --base-model)")
+                            "models/registry.py) or a local Hugging Face folder (flag --base-model)")
     model_cache: Path = Field(registry.DEFAULT_CACHE_DIR, description="where registered base models are built or "
-                              "converted, once (workers/models/registry.py)")
+                              "converted, once (models/registry.py)")
     host: str = Field("127.0.0.1", description="the API's address (flag --host)")
     port: int = Field(8000, description="the API's port (flag --port)")
 
@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     # --- distributed mode -------------------------------------------------------------------------
     executor: Literal["local", "celery"] = Field(
         "local", description="where trainer cycles run: local, in this process (or its child, with engine_process); "
-        "celery, on Celery trainer workers (workers/celery_worker.py)")
+        "celery, on Celery trainer workers (service/celery_worker.py)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis: the Celery broker, the request inbox and "
                            "the workers' registrations (distributed mode, or executor=celery)")
     worker_id: str = Field("", description="a Celery trainer or sampler worker's id, under which it registers "

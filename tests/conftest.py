@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 # times per file (53 s for one miss) before it falls back to the local cache.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from workers.models.registry import resolve_model
+from models.registry import resolve_model
 
 WEBDAV_SERVER = "import sys; from wsgidav.server.server_cli import run; sys.argv[0] = 'wsgidav'; sys.exit(run())"
 

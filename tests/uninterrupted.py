@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from contract.configs import LoraConfig
 from loraplex.types import AdamParams
+
+from contract.configs import LoraConfig
+from contract.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 def logprobs_after_steps(model_path, tokens: list[int], *, rank: int, seed: int, steps: int, lr: float,

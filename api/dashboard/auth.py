@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from api.deps import DB
 from api.inference.keys import api_key as key_from_headers
 from db.models import ApiKey, DashboardSession, OperatorKey, Tenant, utcnow
-from service.tenants import hash_key
+from db.tenants import hash_key
 
 COOKIE = "loraplex_dashboard"
 COOKIE_PATH = "/dashboard"

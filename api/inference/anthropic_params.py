@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.bounds import INT32_MAX
 from api.inference.errors import InferenceError
-from api.inference.params import _same, _validation_message
+from api.inference.params import is_neutral, validation_message
 
 PARAMETERS = frozenset({
     "cache_control", "container", "diagnostics", "inference_geo", "max_tokens", "messages", "metadata", "model",
@@ -77,12 +77,12 @@ def parse(body: Any, cls: type[Conversation] = MessagesRequest, known: frozenset
         if name not in known:
             raise InferenceError(400, f"{str(name)[:64]}: not a parameter of the Messages API (unsupported "
                                       "extensions are refused, never ignored)")
-        if not any(_same(value, neutral) for neutral in NEUTRAL.get(name, (None,))):
+        if not any(is_neutral(value, neutral) for neutral in NEUTRAL.get(name, (None,))):
             raise InferenceError(400, f"{name}: {WHY_NOT.get(name, 'not supported by this server')}")
     try:
         parsed = cls.model_validate({k: v for k, v in body.items() if k in fields})
     except ValidationError as e:
-        raise InferenceError(400, _validation_message(e)) from None
+        raise InferenceError(400, validation_message(e)) from None
     for i, stop in enumerate(getattr(parsed, "stop_sequences", None) or ()):
         if not stop:
             raise InferenceError(400, f"stop_sequences[{i}]: an empty stop sequence would stop at once")

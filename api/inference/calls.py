@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response
+from loraplex.types import SAMPLING_DEFAULTS
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import TenantRef, tenant_of_key
@@ -19,9 +20,9 @@ from api.inference import params, rendering, targets
 from api.inference.errors import InferenceError, error_response
 from api.inference.generate import Generation, generate
 from api.inference.keys import api_key
+from contract.sampling import SamplingOptions
 from db import rollouts
 from db.models import new_id
-from workers.sampler.jobs import SamplingOptions
 
 SESSION_HEADER = "X-Loraplex-Session"
 # (settings, the refusal) -> the response in an API's error shape
@@ -115,8 +116,9 @@ def sampling_options(request: Request, prompt_len: int, *, max_tokens: int | Non
         raise InferenceError(400, f"{max_tokens_field}: prompt ({prompt_len}) + {max_tokens_field} ({max_tokens}) "
                                   f"exceed the model's context of {max_context} tokens")
     return SamplingOptions(max_tokens=room if max_tokens is None else max_tokens,
-                           temperature=1.0 if temperature is None else temperature,
-                           top_k=-1 if top_k in (None, 0, -1) else top_k, top_p=1.0 if top_p is None else top_p,
+                           temperature=SAMPLING_DEFAULTS.temperature if temperature is None else temperature,
+                           top_k=SAMPLING_DEFAULTS.top_k if top_k in (None, 0, -1) else top_k,
+                           top_p=SAMPLING_DEFAULTS.top_p if top_p is None else top_p,
                            seed=seed, stop_strings=stop)
 
 

@@ -17,12 +17,16 @@ from openai.types import Completion as CompletionChunk
 from openai.types import CompletionChoice
 from openai.types.chat import ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import (
-    Choice, ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction, ChoiceLogprobs,
+    Choice,
+    ChoiceDelta,
+    ChoiceDeltaToolCall,
+    ChoiceDeltaToolCallFunction,
+    ChoiceLogprobs,
 )
 
 from api.inference import rendering
-from api.inference.responses import _chat_logprobs, _completion_logprobs, _dump, _usage
-from workers.sampler.jobs import SampleDelta
+from api.inference.responses import chat_logprobs, completion_logprobs, completion_usage, dump_response
+from contract.sampling import SampleDelta
 
 TOOL_CALL_START = "<tool_call>"  # the Hermes format's (rendering.tool_parser_name)
 DONE = b"data: [DONE]\n\n"
@@ -105,7 +109,7 @@ class ChatChunks:
 
     def _chunk(self, choices: list[Choice], **usage) -> bytes:
         extra = {"usage": usage.get("usage")} if self.include_usage else {}
-        return event(_dump(ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+        return event(dump_response(ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                                model=self.model, system_fingerprint=self.fingerprint,
                                                choices=choices, **extra)))
 
@@ -118,7 +122,7 @@ class ChatChunks:
             return None
         logprobs = None
         if self.logprobs:  # the chunk's own ChoiceLogprobs type, of the same entries
-            logprobs = ChoiceLogprobs(content=_chat_logprobs(self.tokenizer, delta, self.top, self.as_ids).content)
+            logprobs = ChoiceLogprobs(content=chat_logprobs(self.tokenizer, delta, self.top, self.as_ids).content)
         return self._chunk([Choice(index=delta.index, delta=ChoiceDelta(content=text), finish_reason=None,
                                    logprobs=logprobs)])
 
@@ -133,7 +137,7 @@ class ChatChunks:
         return out
 
     def usage(self, prompt_len: int, sequences, cached: int) -> list[bytes]:
-        return [self._chunk([], usage=_usage(prompt_len, sequences, cached))] if self.include_usage else []
+        return [self._chunk([], usage=completion_usage(prompt_len, sequences, cached))] if self.include_usage else []
 
 
 class TextChunks:
@@ -149,7 +153,7 @@ class TextChunks:
 
     def _chunk(self, choices: list[CompletionChoice], **usage) -> bytes:
         extra = {"usage": usage.get("usage")} if self.include_usage else {}
-        return event(_dump(CompletionChunk(id=self.id, object="text_completion", created=self.created,
+        return event(dump_response(CompletionChunk(id=self.id, object="text_completion", created=self.created,
                                            model=self.model, system_fingerprint=self.fingerprint,
                                            choices=choices, **extra)))
 
@@ -167,7 +171,7 @@ class TextChunks:
             return None
         logprobs = None
         if self.logprobs is not None:
-            logprobs = _completion_logprobs(self.tokenizer, delta, self.logprobs, self.as_ids)
+            logprobs = completion_logprobs(self.tokenizer, delta, self.logprobs, self.as_ids)
             at = self._offsets.get(delta.index, 0)
             logprobs.text_offset = [at + o for o in logprobs.text_offset]
             self._offsets[delta.index] = at + sum(len(t) for t in logprobs.tokens)
@@ -177,4 +181,4 @@ class TextChunks:
         return [self._chunk([self._choice(index, text, completion.finish_reason)])]
 
     def usage(self, prompt_len: int, sequences, cached: int) -> list[bytes]:
-        return [self._chunk([], usage=_usage(prompt_len, sequences, cached))] if self.include_usage else []
+        return [self._chunk([], usage=completion_usage(prompt_len, sequences, cached))] if self.include_usage else []

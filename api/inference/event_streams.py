@@ -26,8 +26,8 @@ from api.inference import calls, rendering
 from api.inference.chunks import ChoiceText
 from api.inference.generate import Generation, GenerationStream, generate_stream
 from api.inference.rendering import Completion
+from contract.sampling import SampleDelta
 from db.models import new_id
-from workers.sampler.jobs import SampleDelta
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from fastapi import Request
+from loraplex.wire.client import decode_sample_response
+from loraplex.wire.codec import SampledSequenceWire
 from starlette.concurrency import run_in_threadpool
 
 from api.inference.errors import InferenceError
@@ -24,13 +26,11 @@ from api.routes.futures import FINISHED, RECHECK_SECONDS, wait_for_answer
 from api.routes.sampling import admit_sample
 from api.submit import submit
 from contract.kinds import RequestKind
+from contract.sampling import SampleDelta, SampleJob, SamplingOptions
 from db import rollouts
 from db.models import Request as RequestRow
 from db.models import new_id
-from loraplex.wire.client import decode_sample_response
-from loraplex.wire.codec import SampledSequenceWire
-from scheduler.notify import Answer, Finished
-from workers.sampler.jobs import SampleDelta, SampleJob, SamplingOptions
+from messaging.notify import Answer, Finished
 
 log = logging.getLogger(__name__)
 # An inference call is answered when its samples are done; past this it is a 504 (the samples finish
@@ -169,7 +169,7 @@ class GenerationStream:
 
 def _streamer(request: Request):
     """What streams this server's samples and aborts them (`abort(request_id)`): the dispatcher of an engine
-    in this process, or a distributed API replica's RemoteStreams (scheduler/remote_streams.py); else None."""
+    in this process, or a distributed API replica's RemoteStreams (messaging/remote_streams.py); else None."""
     dispatcher = request.app.state.sampling
     if getattr(dispatcher, "streams", False):
         return dispatcher

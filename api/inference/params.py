@@ -16,12 +16,13 @@ import math
 import re
 from typing import Any
 
+from loraplex.types import SAMPLING_DEFAULTS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.bounds import INT32_MAX, Seed
 from api.inference.errors import InferenceError
 from api.routes.sampling import MAX_TOPK
-from workers.sampler.jobs import SamplingOptions
+from contract.sampling import SamplingOptions
 
 CHAT_PARAMETERS = frozenset({
     "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs", "max_completion_tokens",
@@ -56,14 +57,14 @@ def _refuse_parameter(name: str, value: Any, known: frozenset[str]) -> None:
         raise InferenceError(400, f"{name[:64]}: not a parameter of this route (unsupported extensions are refused, "
                                   "never ignored)")
     allowed = NEUTRAL.get(name, (None,))
-    if any(_same(value, a) for a in allowed):
+    if any(is_neutral(value, a) for a in allowed):
         return
     why = WHY_NOT.get(name) or "not supported by this server" + (
         f"; only {' or '.join(repr(a) for a in allowed if a is not None)} is accepted" if len(allowed) > 1 else "")
     raise InferenceError(400, f"{name}: {why}")
 
 
-def _same(value: Any, neutral: Any) -> bool:
+def is_neutral(value: Any, neutral: Any) -> bool:
     """`value` is `neutral` (0 and 0.0 alike, but never True for 1 or False for 0)."""
     if isinstance(value, bool) or isinstance(neutral, bool) or neutral is None:
         return value is neutral
@@ -72,7 +73,7 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _validation_message(error: ValidationError) -> str:
+def validation_message(error: ValidationError) -> str:
     problems = []
     for e in error.errors():
         where = ".".join(str(part)[:64] for part in e.get("loc", ())) or "body"
@@ -140,7 +141,7 @@ def parse(cls: type[InferenceRequest], body: Any, known: frozenset[str]) -> Infe
     try:
         parsed = cls.model_validate({k: v for k, v in body.items() if k in fields})
     except ValidationError as e:
-        raise InferenceError(400, _validation_message(e)) from None
+        raise InferenceError(400, validation_message(e)) from None
     for i, stop in enumerate(parsed.stop_strings):
         if not stop:
             raise InferenceError(400, f"stop[{i}]: an empty stop string would stop at once")
@@ -181,11 +182,11 @@ def sampling_options(body: InferenceRequest, prompt_len: int, max_context: int,
     if asked is not None and asked > room:
         raise InferenceError(400, f"{field}: prompt ({prompt_len}) + {field} ({asked}) exceed the model's context of "
                                   f"{max_context} tokens")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+    temperature = SAMPLING_DEFAULTS.temperature if body.temperature is None else body.temperature
+    top_p = SAMPLING_DEFAULTS.top_p if body.top_p is None else body.top_p
     if not math.isfinite(temperature) or not math.isfinite(top_p):
         raise InferenceError(400, "temperature: must be finite")
-    top_k = -1 if body.top_k in (None, 0, -1) else body.top_k
+    top_k = SAMPLING_DEFAULTS.top_k if body.top_k in (None, 0, -1) else body.top_k
     return SamplingOptions(max_tokens=asked if asked is not None else room, temperature=temperature, top_k=top_k,
                            top_p=top_p, seed=body.seed, stop_strings=body.stop_strings)
 

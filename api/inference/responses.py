@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from loraplex.wire.codec import SampledSequenceWire
 from openai.types import Completion as CompletionResponse
 from openai.types import CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionTokenLogprob
@@ -22,20 +23,19 @@ from openai.types.completion_usage import PromptTokensDetails
 
 from api.inference.rendering import Completion, token_strings
 from api.inference.targets import ListedModel
-from loraplex.wire.codec import SampledSequenceWire
 
 
-def _usage(prompt_len: int, sequences: Sequence[SampledSequenceWire], cached: int) -> CompletionUsage:
+def completion_usage(prompt_len: int, sequences: Sequence[SampledSequenceWire], cached: int) -> CompletionUsage:
     generated = sum(len(s.tokens) for s in sequences)
     return CompletionUsage(prompt_tokens=prompt_len, completion_tokens=generated, total_tokens=prompt_len + generated,
                            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _dump(response) -> dict:
+def dump_response(response) -> dict:
     return response.model_dump(mode="json", exclude_unset=True)
 
 
-def _chat_logprobs(tokenizer, seq: SampledSequenceWire, top: int, as_ids: bool) -> ChoiceLogprobs:
+def chat_logprobs(tokenizer, seq: SampledSequenceWire, top: int, as_ids: bool) -> ChoiceLogprobs:
     names = token_strings(tokenizer, list(seq.tokens), as_ids)
     rows = seq.topk_logprobs or [None] * len(names)
     entries = []
@@ -59,13 +59,13 @@ def chat_completion(*, response_id: str, model: str, fingerprint: str, prompt_le
                  for c in done.tool_calls]
         message = ChatCompletionMessage(role="assistant", content=done.text, **({"tool_calls": calls} if calls else {}))
         choices.append(Choice(index=i, finish_reason=done.finish_reason, message=message,
-                              logprobs=_chat_logprobs(tokenizer, seq, top_logprobs, as_ids) if logprobs else None))
-    return _dump(ChatCompletion(id=f"chatcmpl-{response_id}", object="chat.completion", created=int(time.time()),
+                              logprobs=chat_logprobs(tokenizer, seq, top_logprobs, as_ids) if logprobs else None))
+    return dump_response(ChatCompletion(id=f"chatcmpl-{response_id}", object="chat.completion", created=int(time.time()),
                                 model=model, choices=choices, system_fingerprint=fingerprint,
-                                usage=_usage(prompt_len, sequences, cached)))
+                                usage=completion_usage(prompt_len, sequences, cached)))
 
 
-def _completion_logprobs(tokenizer, seq: SampledSequenceWire, top: int | None, as_ids: bool) -> Logprobs:
+def completion_logprobs(tokenizer, seq: SampledSequenceWire, top: int | None, as_ids: bool) -> Logprobs:
     names = token_strings(tokenizer, list(seq.tokens), as_ids)
     offsets, at = [], 0
     for name in names:
@@ -85,12 +85,12 @@ def text_completion(*, response_id: str, model: str, fingerprint: str, prompt_le
                     sequences: Sequence[SampledSequenceWire], completions: Sequence[Completion], tokenizer,
                     logprobs: int | None, as_ids: bool) -> dict:
     choices = [CompletionChoice(index=i, text=done.text or "", finish_reason=done.finish_reason,
-                                logprobs=_completion_logprobs(tokenizer, seq, logprobs, as_ids)
+                                logprobs=completion_logprobs(tokenizer, seq, logprobs, as_ids)
                                 if logprobs is not None else None)
                for i, (seq, done) in enumerate(zip(sequences, completions, strict=True))]
-    return _dump(CompletionResponse(id=f"cmpl-{response_id}", object="text_completion", created=int(time.time()),
+    return dump_response(CompletionResponse(id=f"cmpl-{response_id}", object="text_completion", created=int(time.time()),
                                     model=model, choices=choices, system_fingerprint=fingerprint,
-                                    usage=_usage(prompt_len, sequences, cached)))
+                                    usage=completion_usage(prompt_len, sequences, cached)))
 
 
 def model_list(models: Sequence[ListedModel]) -> dict:

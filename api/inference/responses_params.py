@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.bounds import INT32_MAX
 from api.inference.errors import InferenceError
-from api.inference.params import _same, _validation_message
+from api.inference.params import is_neutral, validation_message
 
 PARAMETERS = frozenset({
     "access_programs", "background", "background_options", "context_management", "conversation", "image",
@@ -73,12 +73,12 @@ def parse(body: Any) -> ResponsesRequest:
         if name not in PARAMETERS | EXTENSIONS:
             raise InferenceError(400, f"{str(name)[:64]}: not a parameter of this route (unsupported extensions "
                                       "are refused, never ignored)")
-        if not any(_same(value, neutral) for neutral in NEUTRAL.get(name, (None,))):
+        if not any(is_neutral(value, neutral) for neutral in NEUTRAL.get(name, (None,))):
             raise InferenceError(400, f"{name}: {WHY_NOT.get(name, 'not supported by this server')}")
     try:
         parsed = ResponsesRequest.model_validate({k: v for k, v in body.items() if k in fields})
     except ValidationError as e:
-        raise InferenceError(400, _validation_message(e)) from None
+        raise InferenceError(400, validation_message(e)) from None
     if parsed.tool_choice not in (None, "auto", "none"):
         raise InferenceError(400, f"tool_choice: {WHY_NOT['tool_choice']}")
     return parsed

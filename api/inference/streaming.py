@@ -23,8 +23,8 @@ from api.inference.chunks import DONE, ChoiceText
 from api.inference.errors import error_response
 from api.inference.generate import Generation, GenerationStream, generate_stream
 from api.inference.rendering import Completion
+from contract.sampling import SampleDelta
 from db.models import new_id
-from workers.sampler.jobs import SampleDelta
 
 log = logging.getLogger(__name__)
 

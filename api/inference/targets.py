@@ -22,8 +22,8 @@ from sqlalchemy.orm import Session
 
 from api.inference.errors import InferenceError
 from api.lookups import resolve_checkpoint, served_names, serves
-from api.routes.sampling import _snapshot_version as snapshot_version  # cached per (immutable) folder
 from db.models import Checkpoint, CheckpointKind, TrainingModel
+from storage.checkpoint_files import snapshot_policy_version
 
 LATEST = "@latest"
 
@@ -81,7 +81,7 @@ def _latest(db: Session, tenant_id: str, run_id: str, model: str) -> Target:
 
 
 def _snapshot(checkpoint: Checkpoint, model: str) -> Target:
-    version = snapshot_version(checkpoint.storage_path)
+    version = snapshot_policy_version(checkpoint.storage_path)
     if version is None:
         raise _not_found(f"model: the weights of {model[:240]!r} are not saved (yet) or were deleted")
     return Target(checkpoint.tinker_path, checkpoint.storage_path, version)

@@ -17,12 +17,12 @@ from api.deps import ApiKeyHeader, TenantRef, in_tenant_session
 from api.public_errors import public_error
 from db.models import Request as RequestRow
 from db.models import RequestState
-from scheduler.notify import Answer, Watch
+from messaging.notify import Answer, Watch
 
 router = APIRouter()
 FINISHED = (RequestState.DONE, RequestState.FAILED)
 # A long-poll wakes when the scheduler says the request finished, and re-reads the database at
-# least this often anyway: a wake-up lost between processes (scheduler/bus.py) only delays.
+# least this often anyway: a wake-up lost between processes (messaging/bus.py) only delays.
 RECHECK_SECONDS = 2.0
 
 

@@ -11,16 +11,18 @@ from pathlib import Path
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
-from starlette.background import BackgroundTask
+from loraplex.types import Checkpoint as CheckpointJson
+from loraplex.types import TrainingRun as TrainingRunJson
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 
 from api.deps import DB, CurrentTenant, Limit, Offset
-from api.paths import TinkerPath
 from api.lookups import owned_model
+from api.paths import TinkerPath
+from db import checkpoints as stored_checkpoints
 from db.models import Checkpoint, TrainingModel, utcnow
 from db.models import Request as RequestRow
-from scheduler import janitor
-from workers.trainer.checkpoint_files import CheckpointError
+from storage.checkpoint_files import CheckpointError
 
 router = APIRouter()
 CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler"}
@@ -30,28 +32,32 @@ def iso(dt) -> str | None:
     return dt.isoformat().replace("+00:00", "Z") if dt else None
 
 
+def checkpoint_of(row: Checkpoint) -> CheckpointJson:
+    return CheckpointJson(
+        checkpoint_id=TinkerPath.parse(row.tinker_path).checkpoint_id,
+        checkpoint_type=CHECKPOINT_TYPES.get(row.kind, row.kind), time=iso(row.created_at),
+        tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=row.public,
+        user_metadata=row.user_metadata, expires_at=iso(row.expires_at),
+    )
+
+
 def checkpoint_json(row: Checkpoint) -> dict:
-    return {
-        "checkpoint_id": TinkerPath.parse(row.tinker_path).checkpoint_id,
-        "checkpoint_type": CHECKPOINT_TYPES.get(row.kind, row.kind), "time": iso(row.created_at),
-        "tinker_path": row.tinker_path, "size_bytes": row.size_bytes, "public": row.public,
-        "user_metadata": row.user_metadata, "expires_at": iso(row.expires_at),
-    }
+    return checkpoint_of(row).to_json()
 
 
 def run_json(db: DB, run: TrainingModel) -> dict:
-    def latest(kind: str):
+    def latest(kind: str) -> CheckpointJson | None:
         row = db.scalar(sa.select(Checkpoint).where(Checkpoint.model_id == run.id, Checkpoint.kind == kind)
                         .order_by(Checkpoint.created_at.desc()).limit(1))
-        return checkpoint_json(row) if row else None
+        return checkpoint_of(row) if row else None
 
     last = db.scalar(sa.select(sa.func.max(RequestRow.created_at)).where(RequestRow.model_id == run.id))
-    return {
-        "training_run_id": run.id, "base_model": run.base_model, "model_owner": run.tenant_id, "is_lora": True,
-        "corrupted": False, "lora_rank": run.lora_config["rank"], "last_request_time": iso(last or run.created_at),
-        "last_checkpoint": latest("training_state"), "last_sampler_checkpoint": latest("sampler"),
-        "user_metadata": run.user_metadata or None,
-    }
+    return TrainingRunJson(
+        training_run_id=run.id, base_model=run.base_model, model_owner=run.tenant_id, is_lora=True,
+        corrupted=False, lora_rank=run.lora_config["rank"], last_request_time=iso(last or run.created_at),
+        last_checkpoint=latest("training_state"), last_sampler_checkpoint=latest("sampler"),
+        user_metadata=run.user_metadata or None,
+    ).to_json()
 
 
 @router.get("/training_runs")
@@ -137,7 +143,7 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
     are exported to PEFT; the Adam moments stay on the server)."""
     # Converting a training state reads its tensors (torch, peft): loaded on the first download only,
     # so an API replica that serves none stays without torch.
-    from workers.trainer.checkpoints import export_peft
+    from storage.peft_export import export_peft
 
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
     work = Path(tempfile.mkdtemp(prefix="loraplex-archive-"))
@@ -155,6 +161,6 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 def delete_checkpoint(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
-    janitor.delete_checkpoint(db, owned_checkpoint(db, tenant.id, run_id, checkpoint_id))
+    stored_checkpoints.delete_checkpoint(db, owned_checkpoint(db, tenant.id, run_id, checkpoint_id))
     db.commit()
     return {}

@@ -14,6 +14,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
+from loraplex.types import SAMPLING_DEFAULTS, format_sequence_id
+from loraplex.wire.codec import WireError, model_input_tokens
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import quotas
@@ -22,12 +24,11 @@ from api.deps import DB, CurrentTenant
 from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
 from api.submit import submit
+from contract.errors import SamplerBusy, SamplerUnavailable
 from contract.kinds import RequestKind
+from contract.sampling import SampleJob, SamplingOptions
 from db.models import Checkpoint, Sampler, new_id
-from loraplex.wire.codec import WireError, model_input_tokens
-from scheduler.sampling import SamplerBusy, SamplerUnavailable
-from workers.sampler.jobs import SampleJob, SamplingOptions
-from workers.trainer.checkpoint_files import read_snapshot_metadata
+from storage.checkpoint_files import snapshot_policy_version
 
 router = APIRouter()
 MAX_TOPK = 20  # vLLM's default max_logprobs
@@ -59,32 +60,20 @@ def create_sampling_session(body: CreateSamplingSession, request: Request, tenan
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
-_versions: dict[str, int] = {}  # snapshot folders are immutable once written: cache what was read
-
-
-def _snapshot_version(adapter_path: str) -> int | None:
-    """The policy version of a snapshot folder, or None while it is not written."""
-    if adapter_path not in _versions:
-        metadata = read_snapshot_metadata(adapter_path)
-        if metadata is None:
-            return None
-        _versions[adapter_path] = int(metadata["policy_version"])
-    return _versions[adapter_path]
-
-
-def policy_version(adapter_path: str | None) -> str:
+def policy_version(adapter_path: str | None) -> int | None:
+    """The policy version a sample of this snapshot folder will carry (None: the base model)."""
     if adapter_path is None:
-        return "base"
-    version = _snapshot_version(adapter_path)
+        return None
+    version = snapshot_policy_version(adapter_path)
     if version is None:
         raise HTTPException(404, "sampling_session_id: the sampler's weights are not saved (yet) or were deleted")
-    return f"v{version}"
+    return version
 
 
 @router.get("/samplers/{sampling_session_id}")
 def get_sampler(sampling_session_id: str, tenant: CurrentTenant, db: DB) -> dict:
     row = owned_sampler(db, tenant.id, sampling_session_id)
-    version = _snapshot_version(row.adapter_path) if row.adapter_path else None
+    version = snapshot_policy_version(row.adapter_path) if row.adapter_path else None
     return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path,
             "policy_version": version}
 
@@ -98,9 +87,9 @@ class SamplingParamsIn(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     seed: Seed | None = None
     stop: str | list[str] | list[int] | None = None
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=SAMPLING_DEFAULTS.temperature, ge=0.0)
+    top_k: int = Field(default=SAMPLING_DEFAULTS.top_k, ge=-1, le=INT32_MAX)
+    top_p: float = Field(default=SAMPLING_DEFAULTS.top_p, gt=0.0, le=1.0)
 
 
 class SampleRequestIn(BaseModel):
@@ -205,15 +194,15 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
     request_id = new_id()
     seq_id = body.seq_id if sid is not None else None  # (sampler, seq_id) dedupes the client's retries
     prefix = f"{sid or request_id}:{seq_id if seq_id is not None else 0}"
-    sequence_ids = [f"{prefix}:{i}@{version}" for i in range(body.num_samples)]
+    sequence_ids = [format_sequence_id(prefix, i, version) for i in range(body.num_samples)]
     job = SampleJob(
         request_id=request_id, prompt=tuple(prompt), num_samples=body.num_samples, options=options,
         adapter_path=adapter_path, prompt_logprobs=body.prompt_logprobs,
         prompt_logprobs_last_n=body.prompt_logprobs_last_n, topk_prompt_logprobs=body.topk_prompt_logprobs,
         topk_sample_logprobs=body.topk_sample_logprobs,
-        # stable_reinforce: the samples are recorded under these ids when they finish (scheduler/stability.py)
+        # stable_reinforce: the samples are recorded under these ids when they finish (db/stability.py)
         recorded_sequence_ids=tuple(sequence_ids) if body.record_stability_info else (),
-        policy_version=_snapshot_version(adapter_path) if adapter_path is not None else None,
+        policy_version=version,
     )
     accepted = submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id,
                       kind=RequestKind.SAMPLE, payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,

@@ -7,7 +7,7 @@
 
 `model` is the hub id or an alias (e.g. HuggingFaceTB/SmolLM2-135M-Instruct or SmolLM2-135M-Instruct).
 `loraplex tokenizer pull` writes these files into a Hugging Face cache snapshot named by `revision`.
-Only the listed tokenizer files are served (workers/models/tokenizer_files.py), never a path.
+Only the listed tokenizer files are served (models/tokenizer_files.py), never a path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse
 
 from api.deps import CurrentTenant
 from api.lookups import served_names, serves
-from workers.models.tokenizer_files import TokenizerManifest, tokenizer_manifest
+from models.tokenizer_files import TokenizerManifest, tokenizer_manifest
 
 router = APIRouter()
 

@@ -3,7 +3,7 @@
 Every heavy call is validated here (errors name the field, 4xx), stored with its payload
 (contract/payloads.py), queued, and answered at once with a request id; the scheduler runs it in
 the model's seq_id order. The checks are the engine's own, run without torch (contract/configs.py,
-workers/trainer/inputs.py): a request the engine would refuse is refused here.
+contract/inputs.py): a request the engine would refuse is refused here.
 """
 
 from __future__ import annotations
@@ -13,27 +13,26 @@ from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
+from loraplex.types import DEFAULT_LORA_RANK, AdamParams
+from loraplex.wire.codec import PROTOBUF, WireError, decode_body, decode_forward_backward_request
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from api import quotas
 from api.bounds import Seed, SeqId, SessionSeq
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
-from api.paths import (
-    TinkerPath, checkpoint_name, model_id as make_model_id, sampler_id, snapshot_folder, storage_path,
-)
 from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
+from api.paths import TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
+from api.paths import model_id as make_model_id
 from api.submit import submit
 from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, check_adam_params
 from contract.errors import InvalidInputError
+from contract.inputs import check_request, from_wire
 from contract.kinds import RequestKind
 from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
+from db import stability
 from db.models import Checkpoint, Sampler, TrainingModel
-from loraplex.types import DEFAULT_LORA_RANK, AdamParams
-from loraplex.wire.codec import PROTOBUF, WireError, decode_body, decode_forward_backward_request
-from scheduler import stability
-from workers.trainer.checkpoint_files import read_manifest
-from workers.trainer.inputs import check_request, from_wire
+from storage.checkpoint_files import read_manifest
 
 router = APIRouter()
 
@@ -135,7 +134,7 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
 
 @router.post("/get_info")
 def get_info(body: ModelRef, request: Request, tenant: CurrentTenant, db: DB) -> dict:
-    from workers.models.registry import hub_id
+    from models.registry import hub_id
 
     row = owned_model(db, tenant.id, body.model_id)
     info = request.app.state.model_info

@@ -13,12 +13,18 @@ from typer.testing import CliRunner
 
 from admin.cli import app
 from db.models import Tenant
+from storage.live_slots import read_slots
 from tests.scheduler.test_live_state_integrity import corrupt
 from tests.scheduler.test_live_state_recovery import SETTINGS, train
 from tests.servers import running_server
-from workers.trainer.live_slots import read_slots
-from tests.service.test_scheduling import PROTOBUF, assert_same_as_uninterrupted, http_client, proto_body, sft_data, \
-    wait_result
+from tests.service.test_scheduling import (
+    PROTOBUF,
+    assert_same_as_uninterrupted,
+    http_client,
+    proto_body,
+    sft_data,
+    wait_result,
+)
 
 pytestmark = pytest.mark.slow  # servers restarted to repair damaged models
 

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from db.session import make_engine, make_session_factory, upgrade_to_head
-from scheduler.notify import Notifier
+from db.tenants import create_tenant
+from messaging.notify import Notifier
+from models.registry import model_info
 from service.settings import Settings
-from service.tenants import create_tenant
-from workers.models.registry import model_info
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 
 from api.routes.futures import RECHECK_SECONDS
 from db.models import Request, RequestState
-from scheduler.notify import Answer
+from messaging.notify import Answer
 from tests.waiting import wait_until
 
 

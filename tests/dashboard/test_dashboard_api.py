@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 
 import httpx
+import loraplex
 import numpy as np
 import pytest
-
-import loraplex
 from loraplex import types
-from service.operator_keys import issue_operator_key, revoke_operator_key
+
+from db.operator_keys import issue_operator_key, revoke_operator_key
 from tests.servers import running_server
 
 pytestmark = pytest.mark.slow  # one server for the module, a few seconds of training

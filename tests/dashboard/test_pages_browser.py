@@ -13,15 +13,15 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import loraplex
 import numpy as np
 import openai
 import pytest
+from loraplex import types
 from PIL import Image
 from playwright.sync_api import Page, expect, sync_playwright
 
-import loraplex
-from loraplex import types
-from service.operator_keys import issue_operator_key
+from db.operator_keys import issue_operator_key
 from tests.servers import running_server
 
 pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler (the RL run samples through it)

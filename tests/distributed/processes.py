@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from workers.celery_app import sampler_key, worker_key
+from contract.redis_keys import sampler_key, worker_key
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def celery_worker(module: str, name: str, queue: str, env: dict[str, str]) -> su
 
 def start_worker(name: str, data_dir: Path, redis_url: str, **more: str) -> subprocess.Popen:
     """A trainer worker, once it is registered (`more`: further environment variables)."""
-    process = celery_worker("workers.celery_worker", name, f"trainer.{name}", service_env(redis_url, data_dir, **more))
+    process = celery_worker("service.celery_worker", name, f"trainer.{name}", service_env(redis_url, data_dir, **more))
     _wait_registered(process, redis_url, worker_key(name))
     return process
 
@@ -55,7 +55,7 @@ def start_worker(name: str, data_dir: Path, redis_url: str, **more: str) -> subp
 def start_sampler(name: str, data_dir: Path, redis_url: str, **more: str) -> subprocess.Popen:
     """A sampler worker, once it is registered (its vLLM engine may still be loading: jobs wait)."""
     env = service_env(redis_url, data_dir, LORAPLEX_SAMPLER_KV_CACHE_GIB="0.25", **more)
-    process = celery_worker("workers.sampler_worker", name, f"sampler.{name}", env)
+    process = celery_worker("service.sampler_worker", name, f"sampler.{name}", env)
     _wait_registered(process, redis_url, sampler_key(name))
     return process
 
@@ -92,7 +92,7 @@ def wait_healthy(process: subprocess.Popen, base_url: str, seconds: float = 120)
 def create_tenant_key(database_url: str, name: str) -> str:
     """A tenant in the deployment's database (as `loraplex-admin tenants create` does); its API key."""
     from db.session import make_engine, make_session_factory
-    from service.tenants import create_tenant
+    from db.tenants import create_tenant
 
     engine = make_engine(database_url)
     try:

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 import redis
 import tinker
+from loraplex.types import AdamParams
+from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 from tinker import types
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
-from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
+from contract.inputs import EngineDatum, ForwardBackwardInput
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker, wait_for
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
 

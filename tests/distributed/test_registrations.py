@@ -1,8 +1,9 @@
-"""Finding live workers reads the registry set, not a SCAN of Redis (workers/celery_app.py)."""
+"""Finding live workers reads the registry set, not a SCAN of Redis (messaging/celery_app.py)."""
 
 import redis
 
-from workers.celery_app import REGISTRY, heartbeat, live_registrations, sampler_key, worker_key
+from contract.redis_keys import REGISTRY, sampler_key, worker_key
+from messaging.celery_app import heartbeat, live_registrations
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
 MODEL = "registry-test"  # no scheduler of a real base model mistakes these for its workers

@@ -15,15 +15,15 @@ import pytest
 import redis
 import tinker
 
+from contract.redis_keys import worker_key
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
+from storage.live_slots import read_slots
 from tests.distributed.processes import start_worker
 from tests.servers import metric
 from tests.service.conftest import drop_postgres_database, postgres_database
-from tests.service.test_replay_bits import assert_same_bits, trained_alone, train_beside_a_neighbour
-from workers.celery_app import worker_key
+from tests.service.test_replay_bits import assert_same_bits, train_beside_a_neighbour, trained_alone
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.live_slots import read_slots
 
 pytestmark = pytest.mark.slow  # two Celery worker processes start, one after the other
 REDIS_URL = "redis://127.0.0.1:6379/13"

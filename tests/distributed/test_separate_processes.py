@@ -16,19 +16,25 @@ import numpy as np
 import pytest
 import redis
 import tinker
+from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 from tinker import types
 
-from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
-from scheduler.celery_executor import PLACEMENT
+from contract.redis_keys import PLACEMENT, sampler_key
 from service.embedded import free_port
+from storage import store
+from storage.checkpoint_files import read_manifest
 from tests.distributed.processes import (
-    create_tenant_key, service_env, start_sampler, start_service, start_worker, stop_all, wait_for, wait_healthy,
+    create_tenant_key,
+    service_env,
+    start_sampler,
+    start_service,
+    start_worker,
+    stop_all,
+    wait_for,
+    wait_healthy,
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
-from workers import store
-from workers.celery_app import sampler_key
-from workers.trainer.checkpoint_files import read_manifest
 
 REDIS_URL = "redis://127.0.0.1:6379/6"
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)

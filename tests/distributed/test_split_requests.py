@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import redis
-
 from loraplex.types import AdamParams
+
+from contract.inputs import ForwardBackwardInput
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker
@@ -23,7 +24,6 @@ from tests.service.test_split_requests import (
     rows,
     sdk_data,
 )
-from workers.trainer.inputs import ForwardBackwardInput
 
 REDIS_URL = "redis://127.0.0.1:6379/10"
 

@@ -7,11 +7,12 @@ import asyncio
 
 import redis
 
-from scheduler.bus import FINISHED, FinishedListener
-from scheduler.notify import Finished, Notifier
-from scheduler.remote_streams import RemoteStreams
-from workers.sampler.jobs import SampleDelta
-from workers.sampler.stream_channels import encode_deltas
+from contract.redis_keys import FINISHED
+from contract.sampling import SampleDelta
+from messaging.bus import FinishedListener
+from messaging.notify import Finished, Notifier
+from messaging.remote_streams import RemoteStreams
+from messaging.stream_channels import encode_deltas
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 STEPS = 50

@@ -15,14 +15,19 @@ import redis
 import sqlalchemy as sa
 
 from api.routes.futures import FINISHED
+from contract.redis_keys import sampler_key
 from db.models import Request as RequestRow
 from db.models import RequestState
 from service.embedded import free_port
 from tests.distributed.processes import (
-    create_tenant_key, service_env, start_sampler, start_service, stop_all, wait_healthy,
+    create_tenant_key,
+    service_env,
+    start_sampler,
+    start_service,
+    stop_all,
+    wait_healthy,
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
-from workers.celery_app import sampler_key
 from workers.sampler.engine import CANCELLED
 
 pytestmark = pytest.mark.vllm

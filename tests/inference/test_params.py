@@ -9,7 +9,7 @@ from openai.types.completion_create_params import CompletionCreateParamsBase as 
 
 from api.inference import params, rendering
 from api.inference.errors import InferenceError
-from workers.models.registry import resolve_model
+from models.registry import resolve_model
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 

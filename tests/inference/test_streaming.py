@@ -14,11 +14,11 @@ import pytest
 
 from api.inference import rendering
 from api.inference.chunks import ChoiceText
+from contract.sampling import SampleDelta
 from db.models import Request as RequestRow
 from db.models import RequestState
-from scheduler.notify import Finished, Notifier
+from messaging.notify import Finished, Notifier
 from workers.sampler.engine import CANCELLED
-from workers.sampler.jobs import SampleDelta
 
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
 PROMPT = [5, 6, 7, 8, 9]
@@ -164,7 +164,7 @@ def test_a_feed_gets_every_step_in_order_then_the_finish():
 
 
 def test_streamed_text_holds_back_what_may_be_a_stop_string():
-    from workers.models.registry import resolve_model
+    from models.registry import resolve_model
 
     path = str(resolve_model("tiny"))
     tokenizer = rendering.tokenizer_of(path)
@@ -185,7 +185,7 @@ def test_text_grown_token_by_token_is_the_whole_texts(model):
     across multi-byte characters split over tokens and for random token ids."""
     import random
 
-    from workers.models.registry import resolve_model
+    from models.registry import resolve_model
 
     path = str(resolve_model(model))
     tokenizer = rendering.tokenizer_of(path)
@@ -205,7 +205,7 @@ def test_tool_calls_wait_for_the_end_and_go_out_as_one_delta():
     from openai.types.chat import ChatCompletionChunk
 
     from api.inference.chunks import ChatChunks
-    from workers.models.registry import resolve_model
+    from models.registry import resolve_model
 
     path = str(resolve_model("tiny"))
     tokenizer = rendering.tokenizer_of(path)

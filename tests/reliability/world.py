@@ -4,8 +4,8 @@ name: sessions, a trained model, training and sampler checkpoints, a sampler, a 
 trajectories of the rollout store (one sampled from the model's snapshot, as the dashboard shows
 a run's), a client metric logged on the model.
 
-Tenants and keys come from service/tenants.py; revoking a key and disabling a tenant go through
-`loraplex-admin` (admin/cli.py), the operator's commands, since service/tenants.py has no function
+Tenants and keys come from db/tenants.py; revoking a key and disabling a tenant go through
+`loraplex-admin` (admin/cli.py), the operator's commands, since db/tenants.py has no function
 for either.
 """
 
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from admin.cli import app as admin_app
 from db import rollouts
 from db.models import new_id
-from service.tenants import create_tenant, issue_key
+from db.tenants import create_tenant, issue_key
 from tests.reliability.client import Api
 
 IDENTITIES = ("none", "revoked", "disabled", "other", "owner")  # the owner last: its calls may change state

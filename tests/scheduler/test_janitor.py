@@ -11,8 +11,8 @@ import tinker
 from db import usage
 from db.models import Checkpoint, Request, Sampler, TrainingModel, utcnow
 from scheduler.janitor import sweep
+from storage import store
 from tests.servers import running_server
-from workers import store
 
 GRACE = 60.0
 

@@ -8,8 +8,8 @@ import json
 import time
 
 from contract.queue import Cycle
+from storage.checkpoint_files import read_manifest
 from tests.scheduler.test_eviction import forward_backward, request
-from workers.trainer.checkpoint_files import read_manifest
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 

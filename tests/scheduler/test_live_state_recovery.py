@@ -11,10 +11,10 @@ import pytest
 import tinker
 from tinker import types
 
+from storage.live_slots import read_slots
 from tests.scheduler.test_live_state_integrity import corrupt
 from tests.servers import running_server
 from tests.service.test_scheduling import assert_same_as_uninterrupted, http_client, sft_data, wait_result
-from workers.trainer.live_slots import read_slots
 
 pytestmark = pytest.mark.slow  # servers restarted on damaged states
 SETTINGS = dict(sampler_enabled=False, state_write_interval_seconds=0, cycle_gather_seconds=0)

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from workers.trainer.checkpoint_files import read_manifest
+from storage.checkpoint_files import read_manifest
 from workers.trainer.checkpoints import TrainingState
 from workers.trainer.state_writer import StateWriter
 

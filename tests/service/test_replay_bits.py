@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from loraplex.types import AdamParams
 from tinker import types
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from storage.live_slots import read_slots
 from tests.servers import running_server
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
-from workers.trainer.live_slots import read_slots
 
 pytestmark = pytest.mark.slow  # an embedded server whose engine child process is killed and replaced
 STEPS, KILL_AFTER, LR = 4, 2, 1e-2

@@ -60,10 +60,10 @@ def test_a_celery_worker_module_reads_its_settings_when_the_worker_starts_not_on
     (read by Celery as the worker starts) comes from the settings."""
     program = """
 import sys
-import workers.celery_worker, workers.sampler_worker
-assert not workers.celery_worker._state and not workers.sampler_worker._state
+import service.celery_worker, service.sampler_worker
+assert not service.celery_worker._state and not service.sampler_worker._state
 if sys.argv[1] == "configure":
-    for module in (workers.celery_worker, workers.sampler_worker):
+    for module in (service.celery_worker, service.sampler_worker):
         print(module.app.conf.broker_url, module._state["settings"].worker_id)
 """
     unreadable = {"LORAPLEX_PORT": "not-a-port"}

@@ -10,17 +10,17 @@ import pytest
 import sqlalchemy as sa
 import tinker
 import torch
+from loraplex.types import AdamParams
+from loraplex.wire.client import decode_forward_backward_output
 from tinker import types
 
 from contract.configs import LoraConfig
+from contract.inputs import EngineDatum, ForwardBackwardInput
 from db.models import Request, RequestState, TrainingModel
-from loraplex.types import AdamParams
-from loraplex.wire.client import decode_forward_backward_output
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.service.test_scheduling import PROTOBUF, http_client, proto_body, wait_result
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 pytestmark = pytest.mark.slow  # servers restarted halfway through requests in parts
 LR = 1e-2

@@ -1,7 +1,7 @@
 """stable_reinforce's contract on a real embedded server (tiny model, vLLM sampler), driven by the
 official `tinker` SDK: samplers created with record_stability_info record what they sampled, and a
 training request's provenance (built and encoded by the SDK itself) is resolved against that
-record, per tenant, for a day renewed on use (scheduler/stability.py)."""
+record, per tenant, for a day renewed on use (db/stability.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,18 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 import tinker
+from loraplex.wire.codec import decode_forward_backward_request
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from contract.errors import InvalidInputError
-from contract.queue import Job
-from contract.queue import QueuedRequest
+from contract.loss_specs import RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from contract.queue import Job, QueuedRequest
+from db import stability
 from db.models import RecordedSequence, Tenant, utcnow
-from loraplex.wire.codec import decode_forward_backward_request
-from scheduler import stability
 from tests.servers import running_server
 from workers.trainer.batch import prepare_request
 from workers.trainer.executor import engine_input
-from workers.trainer.loss_specs import RECORDED_LOGPROBS, RECORDED_SEQUENCE
 
 pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler
 PROMPT = [5, 6, 7, 8, 9]

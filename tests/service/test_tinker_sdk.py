@@ -11,8 +11,8 @@ import pytest
 import tinker
 from tinker import types
 
+from contract.loss_specs import LOSS_SPECS
 from tests.waiting import wait_until
-from workers.trainer.loss_specs import LOSS_SPECS
 
 pytestmark = pytest.mark.slow  # two servers (SQLite; Postgres with the engine in a child process)
 VOCAB = 512

@@ -4,15 +4,15 @@ whole folders published atomically, read back, replaced, deleted; and adapters t
 from __future__ import annotations
 
 import pytest
+from loraplex.types import AdamParams
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from storage import store
+from storage.checkpoint_files import read_manifest
 from tests.scheduler.test_eviction import run
-from workers import store
-from workers.trainer.checkpoint_files import read_manifest
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 @pytest.fixture(params=["local", "webdav"])

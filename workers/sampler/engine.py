@@ -28,13 +28,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from loraplex.wire.codec import SampledSequenceWire
 from prometheus_client import Counter, Gauge, Histogram
 
 from contract.errors import EngineError, InvalidInputError
-from loraplex.wire.codec import SampledSequenceWire
-from workers import store
+from contract.sampling import SampleDelta, SampleJob, SampleResult, SamplingOptions
+from storage import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.sampler.jobs import SampleDelta, SampleJob, SampleResult, SamplingOptions
 from workers.sampler.snapshot_check import check_snapshot
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class SamplerEngine:
             log.exception("sample callback failed for %s", request_id)
 
     def _lora_request(self, location: str):
-        """The vLLM LoRA of a snapshot (a store location, workers/store.py), loaded on first use
+        """The vLLM LoRA of a snapshot (a store location, storage/store.py), loaded on first use
         from a local folder (a remote store's snapshot is downloaded once)."""
         from vllm.lora.request import LoRARequest
 

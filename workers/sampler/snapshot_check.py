@@ -1,7 +1,7 @@
 """What the sampler checks in a snapshot folder before vLLM loads it, and how a refusal is worded.
 
 1. Integrity: every file must match the SHA-256 its manifest recorded when save_weights_for_sampler
-   wrote it (workers/trainer/checkpoint_files.py). A finite change to `lora_B` bytes otherwise changed
+   wrote it (storage/checkpoint_files.py). A finite change to `lora_B` bytes otherwise changed
    the greedy tokens without any error. A mismatch is the service's storage's fault ("server").
 2. Finite weights: a snapshot holding NaN or inf is not sampled: its rows would only hold garbage,
    and NaN left in the KV cache blocks it used reached other tenants' later requests through vLLM's
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from contract.errors import EngineError, InvalidInputError
-from workers.trainer.checkpoint_files import PEFT_WEIGHTS, snapshot_integrity
+from storage.checkpoint_files import PEFT_WEIGHTS, snapshot_integrity
 
 FIELD = "sampling_session_id"
 

@@ -1,6 +1,6 @@
 """Prepared requests (their arrays as tensors), their engine passes, and packing many into one sequence.
 
-A request is checked and its arrays converted by workers/trainer/inputs.py (without torch, so the
+A request is checked and its arrays converted by contract/inputs.py (without torch, so the
 API runs the same checks); `prepare_request` makes tensors of them for the engine.
 """
 
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from workers.trainer.inputs import ForwardBackwardInput, check_request
-from workers.trainer.loss_specs import LossSpec
+from contract.inputs import ForwardBackwardInput, check_request
+from contract.loss_specs import LossSpec
 from workers.trainer.packed_attention import AttentionLayout
 from workers.trainer.shared_prefix import group_mask, share_plan, shared_length
 

@@ -1,34 +1,39 @@
 """Adapter checkpoints: PEFT folders for samplers, full training state for resuming.
 
 Both are folders written atomically: everything goes into a temporary folder that becomes the
-checkpoint only when complete (workers/store.py: a rename on local disk, a new version on a remote
+checkpoint only when complete (storage/store.py: a rename on local disk, a new version on a remote
 store). Locations are local paths or fsspec URLs. Both carry a `manifest.json` with the SHA-256 of
 their files, verified on load, so a truncated or altered checkpoint is refused instead of trained
 on or sampled from (a training state: its tensors file; a sampler snapshot: each of its files).
-The file formats, and reading and verifying them without torch, are checkpoint_files.py's.
+The file formats, and reading and verifying them without torch, are storage/checkpoint_files.py's;
+turning any checkpoint into a PEFT folder (a download, an export) is storage/peft_export.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_bytes, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
-from workers import store
-from workers.trainer.adapters import Adapter, LoraWeights
-from workers.trainer.checkpoint_files import (
-    MANIFEST, PEFT_WEIGHTS, SNAPSHOT_METADATA, STATE_FORMAT, STATE_TENSORS, TENSORS_CORRUPT, CheckpointError,
-    sha256_file, snapshot_integrity, verified_manifest, write_snapshot_manifest,
+from storage import store
+from storage.checkpoint_files import (
+    MANIFEST,
+    PEFT_WEIGHTS,
+    SNAPSHOT_METADATA,
+    STATE_FORMAT,
+    STATE_TENSORS,
+    CheckpointError,
+    sha256_file,
+    write_snapshot_manifest,
 )
-
+from storage.peft_export import peft_config, read_verified_state
+from workers.trainer.adapters import Adapter, LoraWeights
 
 # --- PEFT folder (sampler weights) -------------------------------------------------------------
 
@@ -38,19 +43,6 @@ def save_peft_adapter(
 ) -> str | Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is;
     `metadata` goes to `loraplex.json` beside them (e.g. the policy version the snapshot is)."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    cfg = adapter.config
-    peft_config = PeftLoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=0.0,
-        target_modules=list(cfg.target_modules()),
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=str(base_model_path),
-        inference_mode=True,
-    )
     tensors = {}
     for path_in_model, w in adapter.weights.items():
         prefix = f"base_model.model.{path_in_model}"
@@ -58,50 +50,12 @@ def save_peft_adapter(
         tensors[f"{prefix}.lora_A.weight"] = w.lora_a.detach().to("cpu", copy=True)
         tensors[f"{prefix}.lora_B.weight"] = w.lora_b.detach().to("cpu", copy=True)
     with store.writing(path) as tmp:
-        peft_config.save_pretrained(tmp)
+        peft_config(adapter.config, base_model_path).save_pretrained(tmp)
         save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
         if metadata is not None:
             (tmp / SNAPSHOT_METADATA).write_text(json.dumps(metadata))
         write_snapshot_manifest(tmp)
     return path
-
-
-def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
-    """Write a training-state checkpoint's weights as a PEFT folder (what save_peft_adapter writes)."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    manifest, tensors = _read_verified(state)
-    config = LoraConfig(**manifest["lora_config"])
-    peft_config = PeftLoraConfig(
-        r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=list(config.target_modules()),
-        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model_path), inference_mode=True,
-    )
-    weights = {}
-    for name, tensor in tensors.items():
-        if name.startswith("weight/"):  # weight/<module path>.lora_A -> base_model.model.<module path>.lora_A.weight
-            weights[f"base_model.model.{name.removeprefix('weight/')}.weight"] = tensor
-    with store.writing(dest) as tmp:
-        peft_config.save_pretrained(tmp)
-        save_file(weights, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
-        (tmp / SNAPSHOT_METADATA).write_text(json.dumps({"policy_version": manifest["step"],
-                                                          "adapter_id": manifest["adapter_id"]}))
-        write_snapshot_manifest(tmp)
-    return Path(dest)
-
-
-def export_peft(checkpoint: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
-    """Any checkpoint as a PEFT folder at the local path `dest`: a training state is converted, a
-    sampler snapshot (already PEFT) copied."""
-    folder = store.local_folder(checkpoint)
-    if folder is not None and (folder / STATE_TENSORS).is_file():
-        return export_peft_from_state(folder, dest, base_model_path)
-    if folder is None or not (folder / PEFT_WEIGHTS).is_file():
-        raise CheckpointError("the checkpoint is neither a training state nor a PEFT folder")
-    failed = snapshot_integrity(folder)
-    if failed:
-        raise CheckpointError(f"{failed[0]} failed its SHA-256 check (the file is corrupt)")
-    shutil.copytree(folder, dest)
-    return Path(dest)
 
 
 # --- training state ----------------------------------------------------------------------------
@@ -160,14 +114,6 @@ def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None =
     return TrainingState.capture(adapter, with_gradients=with_gradients).write(path, extra)
 
 
-def _read_verified(location: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    manifest, tensors_path = verified_manifest(location)
-    data = tensors_path.read_bytes()  # read once: hashed and parsed from the same bytes
-    if hashlib.sha256(data).hexdigest() != manifest.get("tensors_sha256"):
-        raise CheckpointError(TENSORS_CORRUPT)
-    return manifest, load_bytes(data)
-
-
 def load_training_state(
     adapter_id: str,
     path: str | Path,
@@ -177,7 +123,7 @@ def load_training_state(
     *,
     with_optimizer: bool = True,
 ) -> Adapter:
-    manifest, tensors = _read_verified(path)
+    manifest, tensors = read_verified_state(path)
     config = LoraConfig(**manifest["lora_config"])
     try:
         config.validate(max_rank)

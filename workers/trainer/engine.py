@@ -15,20 +15,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from loraplex.types import AdamParams
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from contract.configs import LoraConfig, check_adam_params
 from contract.errors import EngineError, InvalidInputError, UnknownAdapterError
-from loraplex.types import AdamParams
+from contract.inputs import ForwardBackwardInput
+from models.registry import DEFAULT_CACHE_DIR, resolve_model
 from workers.cpu_threads import intra_op_threads
 from workers.host_memory import retain_freed_host_memory
 from workers.sgmv import row_gemm
-from workers.models.registry import DEFAULT_CACHE_DIR, resolve_model
 from workers.trainer import checkpoints
 from workers.trainer.adapters import Adapter
 from workers.trainer.batch import EngineOutput, PackedBatch, PreparedRequest, pack, prepare_request, split_into_passes
-from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
 from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
@@ -36,7 +36,6 @@ from workers.trainer.parts import merge_metrics
 from workers.trainer.pass_losses import pass_losses
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 from workers.trainer.stacked_adapters import StackedAdapters
-
 
 # A CPU pass of fewer multiply-adds (rows x base parameters) than this runs on one thread. Its ops
 # are then too small to share: waking the other OpenMP thread and waiting for it at every op costs

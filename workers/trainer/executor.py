@@ -3,12 +3,12 @@
 The scheduler only decides; an executor only executes (contract/executor.py is what the scheduler
 sees of one). `InProcessExecutor` calls its engine in the calling process: the embedded server's,
 an engine process's (workers/trainer/process_executor.py) and each Celery trainer worker's
-(workers/celery_worker.py). Payloads are the bodies the API accepted: protobuf for forward/backward,
+(service/celery_worker.py). Payloads are the bodies the API accepted: protobuf for forward/backward,
 and for the other operations a JSON model of contract/payloads.py, already checked and resolved
 (checkpoint paths, LoRA config).
 
 Durability: each adapter's training state is kept in `live_dir` (a folder of the checkpoint store:
-a local path or an fsspec URL, workers/store.py), when and how workers/trainer/live_state.py says. After
+a local path or an fsspec URL, storage/store.py), when and how workers/trainer/live_state.py says. After
 a restart an adapter is reloaded from there, and the forward_backward and optim_step requests it
 had finished since (their effects were only in memory) are replayed by the scheduler. A stored
 state that fails its integrity check is passed over for the previous one, and `place` reports the
@@ -44,18 +44,19 @@ from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
+from loraplex.wire.codec import PROTOBUF, decode_forward_backward_request, encode_forward_backward_output
+
 from contract.errors import EngineError, InvalidInputError
+from contract.inputs import ForwardBackwardInput, from_wire
 from contract.kinds import RequestKind
 from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
 from contract.queue import Cycle, Job, Outcome
-from loraplex.wire.codec import PROTOBUF, decode_forward_backward_request, encode_forward_backward_output
-from workers import store
+from storage import store
+from storage.checkpoint_files import CheckpointError
+from storage.live_slots import LiveStateError
 from workers.compute_thread import ComputeThread, run_on
 from workers.trainer.batch import EngineOutput
-from workers.trainer.checkpoint_files import CheckpointError
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import ForwardBackwardInput, from_wire
-from workers.trainer.live_slots import LiveStateError
 from workers.trainer.live_state import LiveStates
 from workers.trainer.parts import SplitRun
 from workers.trainer.run_metrics import forward_backward_metrics, optim_step_metrics

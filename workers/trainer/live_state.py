@@ -13,7 +13,7 @@ replays up to `interval` seconds of each model's steps.
 Integrity: a model's state alternates between two slots, `<live>/<model>` and `<live>/<model>.alt`.
 A write goes to the slot that does not hold the newest complete state, and becomes the newest
 only once it is written whole (its manifest, with the SHA-256 of its tensors, is published last:
-workers/trainer/checkpoint_files.py); so the previous state is always kept beside the newest (twice
+storage/checkpoint_files.py); so the previous state is always kept beside the newest (twice
 the disk of one state), and each is checked against its SHA-256 when it is loaded. If the
 newest is corrupt, truncated or gone, the model is restored from the previous one and the
 scheduler replays the requests after it from the database (`place` reports the model, as for a
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers import store
+from storage import store
+from storage.checkpoint_files import CheckpointError
+from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
 from workers.compute_thread import ComputeThread, run_on
-from workers.trainer.checkpoint_files import CheckpointError
 from workers.trainer.checkpoints import TrainingState
-from workers.trainer.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
 from workers.trainer.state_writer import StateWriter
 
 if TYPE_CHECKING:

@@ -12,14 +12,13 @@ sampler recorded). What each loss takes (inputs, config, checks) is in loss_spec
 
 from __future__ import annotations
 
-from typing import Callable
-
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from contract.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
 
 LossFn = Callable[[Tensor, dict[str, Tensor], dict[str, float], Tensor, int], Tensor]
 

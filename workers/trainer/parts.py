@@ -19,9 +19,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from contract.inputs import ForwardBackwardInput
 from contract.queue import PartProgress
 from workers.trainer.batch import EngineOutput, PreparedRequest, prepare_request, split_into_passes
-from workers.trainer.inputs import ForwardBackwardInput
 
 
 def merge_metrics(pieces: Sequence[tuple[Mapping[str, float], int]]) -> dict[str, float]:

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from contract.queue import Cycle, Job, Outcome
-from workers import store
+from storage import store
 from workers.trainer.executor import InProcessExecutor
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from contract.inputs import ForwardBackwardInput
 from workers.trainer.batch import EngineOutput
-from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS, share_plan
 
 

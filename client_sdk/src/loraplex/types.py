@@ -5,13 +5,12 @@ Arrays are numpy; torch tensors and plain lists are accepted wherever an array i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
 
 StopReason = Literal["stop", "length"]
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 # Tinker's default LoRA rank: what a model created without one gets (the server applies it too).
 DEFAULT_LORA_RANK = 32
 
@@ -136,6 +135,10 @@ class SamplingParams:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
+# Tinker's sampling defaults, defined once: the server's validation and its sampling jobs take them from here.
+SAMPLING_DEFAULTS = SamplingParams()
+
+
 @dataclass(frozen=True)
 class ForwardBackwardOutput:
     loss_fn_outputs: list[dict[str, np.ndarray]]  # per datum, e.g. {"logprobs": array}
@@ -151,6 +154,18 @@ class OptimStepResponse:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def format_sequence_id(prefix: str, index: int, policy_version: int | None) -> str:
+    """A sampled sequence's id, `<prefix>:<index>@v<optimizer steps>` (`@base`: the base model), so async
+    RL reads the policy version that produced a sample from its id alone."""
+    return f"{prefix}:{index}@{'base' if policy_version is None else f'v{policy_version}'}"
+
+
+def policy_version_of(sequence_id: str) -> int | None:
+    """The policy version a sequence id names (None: the base model, or an id of another format)."""
+    tag = sequence_id.rpartition("@")[2]
+    return int(tag[1:]) if tag.startswith("v") and tag[1:].isdigit() else None
+
+
 @dataclass(frozen=True)
 class SampledSequence:
     tokens: list[int]
@@ -162,8 +177,7 @@ class SampledSequence:
     @property
     def policy_version(self) -> int | None:
         """Optimizer steps of the adapter snapshot that sampled this (None: the base model)."""
-        tag = self.sequence_id.rpartition("@")[2]
-        return int(tag[1:]) if tag.startswith("v") and tag[1:].isdigit() else None
+        return policy_version_of(self.sequence_id)
 
     def __repr__(self) -> str:
         return (f"SampledSequence({len(self.tokens)} tokens, stop_reason={self.stop_reason!r}, "
@@ -178,35 +192,54 @@ class SampleResponse:
     prompt_cache_hit_tokens: int = 0
 
 
+def _known(cls, d: dict) -> dict:
+    """The entries of `d` that are fields of `cls` (a newer server may answer more)."""
+    return {f.name: d[f.name] for f in fields(cls) if f.name in d}
+
+
 @dataclass(frozen=True)
 class Checkpoint:
+    """A checkpoint as the REST API answers it; the server builds its answers from this same type."""
+
     checkpoint_id: str
-    checkpoint_type: str
+    checkpoint_type: str  # "training" or "sampler"
     tinker_path: str
     size_bytes: int | None = None
     public: bool = False
-    time: str | None = None
+    time: str | None = None  # ISO 8601, UTC
     expires_at: str | None = None
+    user_metadata: dict | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "Checkpoint":
-        return cls(d["checkpoint_id"], d["checkpoint_type"], d["tinker_path"], d.get("size_bytes"),
-                   d.get("public", False), d.get("time"), d.get("expires_at"))
+        return cls(**_known(cls, d))
 
 
 @dataclass(frozen=True)
 class TrainingRun:
+    """A training run as the REST API answers it; the server builds its answers from this same type."""
+
     training_run_id: str
     base_model: str
     lora_rank: int | None
     last_checkpoint: Checkpoint | None = None
     last_sampler_checkpoint: Checkpoint | None = None
     user_metadata: dict | None = None
+    model_owner: str | None = None
+    is_lora: bool = True
+    corrupted: bool = False
+    last_request_time: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> "TrainingRun":
-        last = d.get("last_checkpoint")
-        last_sampler = d.get("last_sampler_checkpoint")
-        return cls(d["training_run_id"], d["base_model"], d.get("lora_rank"),
-                   Checkpoint.from_json(last) if last else None,
-                   Checkpoint.from_json(last_sampler) if last_sampler else None, d.get("user_metadata"))
+        known = _known(cls, d)
+        for name in ("last_checkpoint", "last_sampler_checkpoint"):
+            if known.get(name):
+                known[name] = Checkpoint.from_json(known[name])
+        return cls(**known)

@@ -8,17 +8,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from loraplex.types import AdamParams
 from safetensors.torch import load_file
 
 from contract.configs import LoraConfig
 from contract.errors import EngineError
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from contract.sampling import SampleResult
 from tests.workers.sampler.test_sampler_vllm import job, run, start_engine
 from tests.workers.sampler.test_snapshot_integrity import WEIGHTS, rewrite_tensor
 from workers.compute_thread import ComputeThread
-from workers.sampler.jobs import SampleResult
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 pytestmark = pytest.mark.vllm  # a vLLM sampler engine per module
 

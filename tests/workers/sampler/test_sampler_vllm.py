@@ -14,20 +14,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from contract.configs import LoraConfig
 from contract.errors import EngineError
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from contract.sampling import SampleJob, SampleResult, SamplingOptions
+from storage.checkpoint_files import write_snapshot_manifest
 from workers.compute_thread import ComputeThread
 from workers.sampler import dense_lora
 from workers.sampler.engine import SamplerConfig, SamplerEngine
-from workers.sampler.jobs import SampleJob, SampleResult, SamplingOptions
-from workers.trainer.checkpoint_files import write_snapshot_manifest
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 pytestmark = pytest.mark.vllm
 PROMPT = (5, 6, 7, 8, 9)
@@ -268,7 +268,7 @@ def test_a_missing_snapshot_fails_alone(engine, snapshots, tmp_path):
 def test_a_slow_snapshot_download_does_not_hold_up_other_samples(engine, snapshots, webdav_store, monkeypatch):
     """A snapshot on a remote store downloads off the engine thread: while its download is held
     up, other tenants' and base-model samples finish; then its own job samples that snapshot."""
-    from workers import store
+    from storage import store
 
     remote = store.join(webdav_store(), "alice-v1")
     with store.writing(remote) as folder:

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 from safetensors.torch import load_file
 
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from storage.checkpoint_files import CheckpointError, snapshot_integrity
+from storage.peft_export import export_peft
 from workers.sampler.snapshot_check import SnapshotCorruptError, check_snapshot
-from workers.trainer.checkpoint_files import CheckpointError, snapshot_integrity
-from workers.trainer.checkpoints import export_peft
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 WEIGHTS = "adapter_model.safetensors"
 

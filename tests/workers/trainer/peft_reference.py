@@ -98,7 +98,7 @@ def stable_reinforce_reference(tlp, inputs: dict, config: dict) -> torch.Tensor:
 
 def random_datum(loss_fn: str, n: int, gen: torch.Generator, vocab: int, k: int | None = None):
     """A datum of n positions with plausible inputs for `loss_fn` (sampler logprobs near the tiny model's)."""
-    from workers.trainer.inputs import EngineDatum
+    from contract.inputs import EngineDatum
 
     seq = torch.randint(0, vocab, (n + 1,), generator=gen)
     inputs: dict[str, torch.Tensor] = {}

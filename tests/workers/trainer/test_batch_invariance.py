@@ -19,18 +19,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loraplex.types import AdamParams
 from transformers import AutoModelForCausalLM
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from contract.loss_specs import LOSS_SPECS
+from models.registry import resolve_model
 from tests.workers.trainer.peft_reference import random_datum
 from workers.cpu_threads import intra_op_threads
-from workers.models.registry import resolve_model
 from workers.sgmv import row_gemm
 from workers.trainer.batch import prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
-from workers.trainer.loss_specs import LOSS_SPECS
 
 LOSSES = sorted(LOSS_SPECS)
 

@@ -6,15 +6,15 @@ import json
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from storage.checkpoint_files import CheckpointError, read_snapshot_metadata
 from tests.workers.trainer.peft_reference import random_datum
-from workers.trainer.checkpoint_files import CheckpointError, read_snapshot_metadata
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 @pytest.fixture

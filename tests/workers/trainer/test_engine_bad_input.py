@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
 from tests.workers.trainer.peft_reference import random_datum
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 VOCAB = 512
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 
 from contract.configs import LoraConfig
-from loraplex.types import AdamParams
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from models.registry import resolve_model
 from tests.workers.trainer.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
-from workers.models.registry import resolve_model
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 
 
 @pytest.fixture

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 
+from contract.configs import LoraConfig
+from contract.inputs import ForwardBackwardInput
+from contract.loss_specs import LOSS_SPECS
 from tests.workers.trainer.peft_reference import (
     peft_model_like,
     peft_param_name,
@@ -13,11 +17,7 @@ from tests.workers.trainer.peft_reference import (
     rel_err,
     target_logprobs,
 )
-from contract.configs import LoraConfig
-from loraplex.types import AdamParams
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import ForwardBackwardInput
-from workers.trainer.loss_specs import LOSS_SPECS
 from workers.trainer.stacked_adapters import StackedAdapters
 
 TOL = 1e-5

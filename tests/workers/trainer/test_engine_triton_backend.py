@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from contract.configs import LoraConfig
+from contract.inputs import ForwardBackwardInput
 from tests.workers.trainer.peft_reference import random_datum, rel_err
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import ForwardBackwardInput
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from contract.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
 from workers.trainer.losses import LOSS_FUNCTIONS
 
 TESTED = {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}

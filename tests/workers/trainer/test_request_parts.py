@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loraplex.types import AdamParams
 
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
-from loraplex.types import AdamParams
+from contract.inputs import ForwardBackwardInput
 from tests.workers.trainer.peft_reference import random_datum
 from tests.workers.trainer.test_shared_prefix import VOCAB, add_adapter, rl_group
 from workers.trainer.batch import prepare_request, split_into_passes
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.parts import SplitRun, merge_metrics
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from contract.configs import LoraConfig
+from contract.inputs import EngineDatum, ForwardBackwardInput
 from service.settings import Settings
 from tests.workers.trainer.peft_reference import peft_model_like, random_datum, rel_err, target_logprobs
 from workers.trainer.batch import pack, prepare_request
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS, group_mask, share_plan
 
 VOCAB = 512

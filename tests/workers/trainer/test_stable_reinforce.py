@@ -10,17 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from loraplex.types import AdamParams
+from loraplex.wire.codec import DatumWire, ProvenanceSpanWire
 
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
-from loraplex.types import AdamParams
-from loraplex.wire.codec import DatumWire, ProvenanceSpanWire
-from scheduler.stability import Recorded, recorded_inputs
+from contract.inputs import EngineDatum, ForwardBackwardInput
+from contract.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from db.stability import Recorded, recorded_inputs
 from tests.workers.trainer.peft_reference import stable_reinforce_reference
 from workers.trainer.batch import prepare_request
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
-from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
 from workers.trainer.losses import stable_reinforce
 
 CONFIG = LOSS_SPECS["stable_reinforce"].config_defaults
@@ -94,7 +94,7 @@ def test_a_valid_request_fills_the_client_logprobs_it_may_omit():
     assert prepared.inputs[0]["logprobs"].tolist() == [0.0] * 4
 
 
-# --- provenance -> the recorded inputs (scheduler/stability.py) ----------------------------------------
+# --- provenance -> the recorded inputs (db/stability.py) ----------------------------------------
 
 PROMPT, SAMPLED = np.array([7, 8, 9]), np.array([20, 21, 22])
 RECORD = {"s1": Recorded(PROMPT, SAMPLED, np.array([-0.5, -1.5, -2.5], np.float32), 3)}

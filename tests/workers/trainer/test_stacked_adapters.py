@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from contract.configs import LoraConfig
+from contract.inputs import ForwardBackwardInput
 from tests.workers.trainer.peft_reference import random_datum, rel_err
 from tests.workers.trainer.test_engine_parity import spy_on_stacked_passes
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import ForwardBackwardInput
 from workers.trainer.stacked_adapters import StackedAdapters
 
 

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from db.models import OperatorKey, utcnow
-from service.tenants import hash_key
+from db.tenants import hash_key
 
 OPERATOR_KEY_PREFIX = "tmo-"
 

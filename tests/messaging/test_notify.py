@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from scheduler.notify import Answer, Notifier
+from messaging.notify import Answer, Notifier
 
 
 def notify_from_another_thread(notifier: Notifier, request_id: str, answer: Answer | None) -> None:

@@ -1,7 +1,7 @@
 """A trainer worker as a Celery worker: one process per device, its own queue, one cycle at a time.
 
     LORAPLEX_BASE_MODEL=tiny LORAPLEX_DATA_DIR=/shared/loraplex LORAPLEX_REDIS_URL=redis://host:6379/0 \\
-        celery -A workers.celery_worker worker --pool solo -Q trainer.w1 -n w1@%h
+        celery -A service.celery_worker worker --pool solo -Q trainer.w1 -n w1@%h
 
 The scheduler's CeleryExecutor sends each cycle as one task naming a Redis key; the cycle (its
 requests and payloads) and the outcomes travel through Redis, never inside broker messages. The
@@ -19,10 +19,9 @@ import pickle
 
 from celery import signals
 
+from contract.redis_keys import EVICT_TASK, RESULT_TTL_SECONDS, TASK, cycle_done_key, cycle_outcomes_key, worker_key
+from messaging.celery_app import make_worker_app, register_worker
 from service.settings import Settings
-from workers.celery_app import (
-    EVICT_TASK, RESULT_TTL_SECONDS, TASK, make_worker_app, register_worker, worker_key,
-)
 
 _state: dict = {}  # settings, client (make_worker_app), executor
 app = make_worker_app(Settings, _state)  # reads the settings when the worker starts, not on import
@@ -31,9 +30,9 @@ app = make_worker_app(Settings, _state)  # reads the settings when the worker st
 @signals.worker_ready.connect
 def _start(sender=None, **_) -> None:
     """Load the engine once, register, and start the heartbeat."""
-    from workers.trainer.executor import InProcessExecutor
-    from workers.models.registry import model_info
+    from models.registry import model_info
     from workers.trainer.engine import TrainerEngine
+    from workers.trainer.executor import InProcessExecutor
 
     settings: Settings = _state["settings"]
     info = model_info(settings.base_model, settings.model_cache)
@@ -58,11 +57,11 @@ def _finish_writes(**_) -> None:
 
 
 def _reply(key: str, outcomes) -> str:
-    out_key = f"{key}:outcomes"
+    out_key = cycle_outcomes_key(key)
     client = _state["client"]
     client.set(out_key, pickle.dumps(outcomes), ex=RESULT_TTL_SECONDS)
-    client.rpush(f"{key}:done", out_key)  # wakes the executor's blocking wait at once
-    client.expire(f"{key}:done", RESULT_TTL_SECONDS)
+    client.rpush(cycle_done_key(key), out_key)  # wakes the executor's blocking wait at once
+    client.expire(cycle_done_key(key), RESULT_TTL_SECONDS)
     return out_key
 
 

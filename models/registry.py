@@ -39,7 +39,7 @@ class ModelSpec:
 
 def _build_tiny(arch: str) -> Callable[[Path], None]:
     def build(dest: Path) -> None:
-        from workers.models.tiny import build_tiny_model
+        from models.tiny import build_tiny_model
 
         build_tiny_model(dest, arch=arch)
 
@@ -166,7 +166,8 @@ def publish_tokenizer(name: str, folder: Path, hub_cache: Path | str | None = No
     other snapshots of that id (a real hub download) stay on disk. A cache it cannot write
     (read-only home) only loses that convenience, never the server: logged, None returned."""
     from loraplex.hf_cache import write_snapshot
-    from workers.models.tokenizer_files import tokenizer_manifest
+
+    from models.tokenizer_files import tokenizer_manifest
 
     manifest = tokenizer_manifest(folder)
     try:

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from loraplex.wire.codec import ForwardBackwardWire
 
 from contract.errors import InvalidInputError
-from loraplex.wire.codec import ForwardBackwardWire
-from workers.trainer.loss_specs import FLOAT_INPUTS, LOSS_SPECS, LossSpec
+from contract.loss_specs import FLOAT_INPUTS, LOSS_SPECS, LossSpec
 
 ArrayLike = Any  # a numpy array, a torch tensor (any device) or a (nested) list of numbers
 

@@ -12,19 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 
-from workers.sampler.jobs import SampleDelta
+from contract.sampling import SampleDelta
 
 log = logging.getLogger(__name__)
-
-def replica_channel() -> str:
-    """A new API replica's channel for the streams it follows."""
-    return f"loraplex:sample-stream:{uuid.uuid4().hex}"
-
-
-def abort_channel(base_model: str) -> str:
-    return f"loraplex:sample-abort:{base_model}"
 
 
 def keep_listening(error: Exception, pubsub, thread) -> None:

@@ -57,7 +57,7 @@ class Finished:
 
 
 class Feed:
-    """One streaming call's view of one request: lists of deltas (workers/sampler/jobs.py SampleDelta)
+    """One streaming call's view of one request: lists of deltas (contract/sampling.py SampleDelta)
     in the order the engine made them, then `Finished`."""
 
     def __init__(self) -> None:

@@ -12,12 +12,13 @@ the server's path (it holds the tenant's id): callers put the checkpoint's tinke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
 
 from contract.errors import EngineError
-from workers import store
+from storage import store
 
 STATE_FORMAT = "loraplex-training-state/1"
 SNAPSHOT_FORMAT = "loraplex-peft-snapshot/1"  # a PEFT folder's manifest: {"files_sha256": {name: digest}}
@@ -70,6 +71,22 @@ def snapshot_integrity(folder: str | Path) -> list[str] | None:
 def read_snapshot_metadata(path: str | Path) -> dict | None:
     """The `loraplex.json` of a sampler snapshot folder, or None if the folder or file is missing."""
     return store.read_json(path, SNAPSHOT_METADATA)
+
+
+def snapshot_policy_version(path: str) -> int | None:
+    """The policy version of a sampler snapshot folder, or None while it is not written."""
+    try:
+        return _written_snapshot_version(path)
+    except FileNotFoundError:
+        return None  # not cached: the folder may be written a moment later
+
+
+@functools.lru_cache(maxsize=4096)  # snapshot folders are immutable once written; bounded, unlike the runs
+def _written_snapshot_version(path: str) -> int:
+    metadata = read_snapshot_metadata(path)
+    if metadata is None:
+        raise FileNotFoundError(path)
+    return int(metadata["policy_version"])
 
 
 def read_manifest(path: str | Path) -> dict | None:

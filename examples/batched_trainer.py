@@ -1,6 +1,6 @@
 """Several tenants fine-tune their own adapters together, every round in ONE batched engine call.
 
-    python -m workers.trainer.demo [--model tiny] [--rounds 30] [--out data/demo]
+    python -m examples.batched_trainer [--model tiny] [--rounds 30] [--out data/demo]
 
 Each tenant teaches its adapter a different kind of line (arithmetic, chat, prose); every
 round all tenants' forward_backward requests go into one engine call, then one optim_step
@@ -19,9 +19,9 @@ from transformers import AutoTokenizer
 
 from contract.configs import LoraConfig
 from loraplex.types import AdamParams
-from workers.models.tiny import tiny_corpus
+from models.tiny import tiny_corpus
 from workers.trainer.engine import TrainerEngine
-from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+from contract.inputs import EngineDatum, ForwardBackwardInput
 
 TENANTS = {
     # tenant: (LoRA config, learning rate, which corpus lines it trains on)

@@ -1,6 +1,6 @@
 """An API replica's side of streaming in distributed mode: each streaming job's new tokens, published
 by the sampler worker that runs it on this replica's channel, to this replica's Notifier; and aborts
-of jobs whose caller went away, to the workers (channels and messages: workers/sampler/stream_channels.py).
+of jobs whose caller went away, to the workers (channels and messages: messaging/stream_channels.py).
 """
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ import logging
 
 import redis
 
-from scheduler.notify import Notifier
-from workers.sampler.stream_channels import abort_channel, decode_deltas, replica_channel
+from contract.redis_keys import abort_channel, replica_channel
+from messaging.notify import Notifier
+from messaging.stream_channels import decode_deltas
 
 log = logging.getLogger(__name__)
 
 
 class RemoteStreams:
     """This replica's channel for the streams it follows, named in its streaming jobs (SampleJob.stream_to).
-    Its messages are read by the replica's FinishedListener (scheduler/bus.py), on the connection
+    Its messages are read by the replica's FinishedListener (messaging/bus.py), on the connection
     that brings the finishes, so none overtakes the tokens it ends."""
 
     streams = True  # generate_stream's test for a sampler that streams

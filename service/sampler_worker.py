@@ -1,7 +1,7 @@
 """A sampler worker as a Celery worker: one process per device, one multi-LoRA vLLM engine, its own queue.
 
     LORAPLEX_BASE_MODEL=tiny LORAPLEX_DATA_DIR=/shared/loraplex LORAPLEX_REDIS_URL=redis://host:6379/0 \\
-        celery -A workers.sampler_worker worker --pool solo -Q sampler.s1 -n s1@%h
+        celery -A service.sampler_worker worker --pool solo -Q sampler.s1 -n s1@%h
 
 The scheduler's RemoteSamplerEngine sends each sample job as a task naming a Redis key. The task
 only hands the job to the engine and returns, so the solo pool takes the next one at once and the
@@ -10,7 +10,7 @@ request's outcome key, its request id pushed onto the base model's done list. Sn
 the shared data dir. The worker registers itself (base model, queue, samples in flight) and
 beats like a trainer worker; a dead one's jobs are sent to another sampler by the scheduler.
 A streaming job's new tokens are published as the engine makes them, straight to the API replica that follows it,
-and a job an API replica aborts (its caller went away) is stopped (workers/sampler/stream_channels.py).
+and a job an API replica aborts (its caller went away) is stopped (messaging/stream_channels.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ import pickle
 import prometheus_client
 from celery import signals
 
-from service.settings import Settings
-from workers.celery_app import (
-    RESULT_TTL_SECONDS, SAMPLE_TASK, make_worker_app, register_worker, sample_done_key, sample_outcome_key,
+from contract.redis_keys import (
+    RESULT_TTL_SECONDS,
+    SAMPLE_TASK,
+    abort_channel,
+    sample_done_key,
+    sample_outcome_key,
     sampler_key,
 )
-from workers.sampler.stream_channels import abort_channel, encode_deltas, keep_listening
+from messaging.celery_app import make_worker_app, register_worker
+from messaging.stream_channels import encode_deltas, keep_listening
+from service.settings import Settings
 
 _state: dict = {}  # settings, client (make_worker_app), engine, ...
 app = make_worker_app(Settings, _state)  # reads the settings when the worker starts, not on import
@@ -35,7 +40,7 @@ app = make_worker_app(Settings, _state)  # reads the settings when the worker st
 @signals.worker_ready.connect
 def _start(sender=None, **_) -> None:
     """Start the engine (it loads in the background and queues jobs meanwhile), register, beat."""
-    from workers.models.registry import model_info
+    from models.registry import model_info
     from workers.sampler.engine import SamplerConfig, SamplerEngine
 
     settings: Settings = _state["settings"]
@@ -77,8 +82,8 @@ def _progress_to(channel: str):
 
 @app.task(name=SAMPLE_TASK)
 def sample(job_key: str) -> None:
-    from workers.sampler.jobs import SampleJob
     from contract.errors import EngineError
+    from contract.sampling import SampleJob
 
     raw = _state["client"].get(job_key)
     if raw is None:

@@ -10,10 +10,17 @@ import pytest
 from huggingface_hub.utils import validate_repo_id
 from transformers import AutoTokenizer
 
-from workers.models.registry import (
-    ALIASES, REGISTRY, canonical_name, hub_id, model_info, names_of, publish_tokenizer, resolve_model,
+from models.registry import (
+    ALIASES,
+    REGISTRY,
+    canonical_name,
+    hub_id,
+    model_info,
+    names_of,
+    publish_tokenizer,
+    resolve_model,
 )
-from workers.models.tokenizer_files import tokenizer_manifest
+from models.tokenizer_files import tokenizer_manifest
 
 NAMES = {
     "loraplex/tiny": ["tiny"],

@@ -16,7 +16,7 @@ policy version. Another tenant's sequence_id gets the answer an id that never ex
 When a stable_reinforce request is accepted (`attach_recorded_inputs`, from the forward_backward
 route), the spans' claims are checked against the record and the record's logprobs go into the
 request's payload as two loss inputs (RECORDED_LOGPROBS, RECORDED_SEQUENCE in
-workers/trainer/loss_specs.py). The stored payload then holds all its replays and trainer workers
+contract/loss_specs.py). The stored payload then holds all its replays and trainer workers
 need: they never look anything up.
 """
 
@@ -29,14 +29,14 @@ from typing import Sequence
 
 import numpy as np
 import sqlalchemy as sa
+from loraplex.wire import tinker_public_pb2 as pb
+from loraplex.wire.codec import DatumWire, ForwardBackwardWire, ProvenanceSpanWire, SampledSequenceWire
 from sqlalchemy.orm import Session
 
 from contract.errors import InvalidInputError
+from contract.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
+from contract.sampling import SampleJob
 from db.models import RecordedSequence, utcnow
-from loraplex.wire import tinker_public_pb2 as pb
-from loraplex.wire.codec import DatumWire, ForwardBackwardWire, ProvenanceSpanWire, SampledSequenceWire
-from workers.sampler.jobs import SampleJob
-from workers.trainer.loss_specs import LOSS_SPECS, RECORDED_LOGPROBS, RECORDED_SEQUENCE
 
 RETENTION = timedelta(days=1)
 PRUNE_INTERVAL_SECONDS = 600.0  # expired rows are invisible at once; deleting them can wait

@@ -20,21 +20,16 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.errors import SamplerBusy, SamplerUnavailable
 from contract.kinds import RequestKind
 from contract.queue import QueuedRequest
+from contract.redis_keys import FINISHED, inbox_key, sampler_key
 from db.models import Request, RequestState
-from scheduler.notify import Answer, Notifier
-from scheduler.remote_streams import RemoteStreams
-from scheduler.sampling import SamplerBusy, SamplerUnavailable
-from workers.celery_app import live_registrations, sampler_key
+from messaging.celery_app import live_registrations
+from messaging.notify import Answer, Notifier
+from messaging.remote_streams import RemoteStreams
 
 log = logging.getLogger(__name__)
-
-FINISHED = "loraplex:finished"
-
-
-def inbox_key(base_model: str) -> str:
-    return f"loraplex:inbox:{base_model}"
 
 
 class RedisInbox:
@@ -117,7 +112,7 @@ class _Loop:
 class FinishedListener(_Loop):
     """API side: wake this replica's long-polls when the scheduler publishes a finished request, and
     hand the sampler workers' streamed tokens to this replica's streaming calls (`streams`,
-    scheduler/remote_streams.py). Both come on one connection, read by one thread, so a stream's
+    messaging/remote_streams.py). Both come on one connection, read by one thread, so a stream's
     tokens reach its call before its finish does: the worker publishes them before it reports the
     outcome that the scheduler's FINISHED follows, and Redis delivers one connection's messages in
     the order they were published."""
@@ -177,7 +172,7 @@ class InboxConsumer(_Loop):
                 if row is None or row.state != RequestState.PENDING:
                     return  # a second copy of a sample that already finished
                 payload = row.payload
-            from workers.sampler.jobs import SampleJob
+            from contract.sampling import SampleJob
 
             self.sampling.submit(SampleJob.from_json(payload))
 

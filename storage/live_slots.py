@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.errors import EngineError
-from workers import store
-from workers.trainer.checkpoint_files import CheckpointError, read_manifest, verify_training_state
+from storage import store
+from storage.checkpoint_files import CheckpointError, read_manifest, verify_training_state
 
 SLOTS = (("", "main copy"), (".alt", "alternate copy"))  # folder suffix, how errors name it
 REPAIR = "loraplex-admin models rebuild"

@@ -1,6 +1,6 @@
 """What each built-in loss takes: its inputs, its config and their checks (the functions are losses.py's).
 
-No torch here: the API checks a request against these specs at the door (workers/trainer/inputs.py)
+No torch here: the API checks a request against these specs at the door (contract/inputs.py)
 with the same code the engine runs, and the checks work on numpy arrays.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 from contract.errors import InvalidInputError
 
 # Inputs of stable_reinforce that the server fills in from a datum's provenance spans and what the
-# sampler recorded (scheduler/stability.py); a client never sends them.
+# sampler recorded (db/stability.py); a client never sends them.
 RECORDED_LOGPROBS = "recorded_logprobs"  # per row: the sampler's logprob of the target; 0 off sampled rows
 RECORDED_SEQUENCE = "recorded_sequence"  # per row: k >= 1 for the datum's k-th sampled sequence; 0 off sampled rows
 

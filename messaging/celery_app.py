@@ -1,5 +1,5 @@
-"""What the scheduler and the Celery workers share: the app, the task names, the Redis keys, and
-the registration each worker keeps alive with heartbeats."""
+"""What the scheduler and the Celery workers share: the Celery app, and the registration each worker
+keeps alive with heartbeats (the task names and Redis keys are contract/redis_keys.py's)."""
 
 from __future__ import annotations
 
@@ -12,43 +12,13 @@ from typing import Any, Callable
 
 from celery import Celery
 
-from workers import store
+from contract.redis_keys import REGISTRY
+from storage import store
 
 log = logging.getLogger(__name__)
 
-TASK = "loraplex.run_cycle"  # trainer workers: run one cycle stored in Redis
-EVICT_TASK = "loraplex.evict"  # trainer workers: write adapters' full state to the store, drop them
-SAMPLE_TASK = "loraplex.sample"  # sampler workers: start one sample job stored in Redis
 HEARTBEAT_SECONDS = 1.0
 HEARTBEAT_TTL_SECONDS = 5  # a worker silent this long is dead
-# A set of the registration keys in use: finding the live workers reads these few keys instead of
-# SCANning every key in Redis (outcomes and cycles are keys too: a scan grew with the traffic).
-REGISTRY = "loraplex:registrations"
-RESULT_TTL_SECONDS = 3600  # cycles and outcomes left in Redis by a crash expire
-
-
-def worker_key(worker_id: str) -> str:
-    """A trainer worker's registration: base model, queues, resident adapters; expires without heartbeats."""
-    return f"loraplex:worker:{worker_id}"
-
-
-def sampler_key(worker_id: str) -> str:
-    """A sampler worker's registration: base model, queues, samples in flight."""
-    return f"loraplex:sampler:{worker_id}"
-
-
-def scheduler_key(base_model: str) -> str:
-    """The scheduler's heartbeat (one scheduler per base model)."""
-    return f"loraplex:scheduler:{base_model}"
-
-
-def sample_done_key(base_model: str) -> str:
-    """A list: the sampler workers of `base_model` push each finished request id here."""
-    return f"loraplex:sample-done:{base_model}"
-
-
-def sample_outcome_key(request_id: str) -> str:
-    return f"loraplex:sample-outcome:{request_id}"
 
 
 def live_registrations(client, key: Callable[[str], str], base_model: str) -> dict[str, dict]:

@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from loraplex.types import SAMPLING_DEFAULTS
 from loraplex.wire.codec import SampledSequenceWire
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
     max_tokens: int
-    temperature: float = 1.0
-    top_k: int = -1  # -1: no limit
-    top_p: float = 1.0
+    temperature: float = SAMPLING_DEFAULTS.temperature
+    top_k: int = SAMPLING_DEFAULTS.top_k  # -1: no limit
+    top_p: float = SAMPLING_DEFAULTS.top_p
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -36,7 +37,7 @@ class SampleJob:
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     # record_stability_info: the sequence ids (as asample answered) to record the samples under, for
-    # stable_reinforce (scheduler/stability.py); empty: nothing is recorded
+    # stable_reinforce (db/stability.py); empty: nothing is recorded
     recorded_sequence_ids: tuple[str, ...] = ()
     policy_version: int | None = None  # optimizer steps of the snapshot; None: the base model
     # the engine also reports each step's new tokens (SampleDelta) as it makes them (the API's
