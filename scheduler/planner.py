@@ -38,7 +38,7 @@ gradients), not what it may queue; quotas at the API (api/quotas.py) do that.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from contract.kinds import BATCHABLE_KINDS, RequestKind
@@ -58,6 +58,17 @@ class Split:
     @property
     def remaining(self) -> int:
         return max(1, self.request.num_tokens - self.tokens_done)
+
+
+@dataclass
+class _Filling:
+    """One cycle as the planner fills it."""
+
+    cycle: Cycle
+    runnable: dict[str, list[QueuedRequest]]
+    share: int  # the most tokens one part may take
+    used: int = 0  # tokens planned so far
+    in_flight: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # tenant -> tokens started, not run
 
 
 class CyclePlanner:
@@ -86,9 +97,34 @@ class CyclePlanner:
     # --- planning --------------------------------------------------------------------------------
 
     def plan(self, runnable: dict[str, list[QueuedRequest]]) -> Cycle:
+        """One cycle from each model's runnable requests (in seq_id order): the policy above."""
         cycle = Cycle()
-        # tenant -> its queues: per-model request runs (each admitted as a prefix, in order) and,
-        # as one-item queues, its requests being run in parts
+        queues = self._queues(runnable, cycle)
+        tenants = self._rotated(sorted(queues))
+        # a part's share of the cycle: all of it for a tenant alone, else half, so that the other
+        # tenants' turns find room in every cycle
+        share = self.token_budget if len(tenants) < 2 else max(1, self.token_budget // 2)
+        filling = _Filling(cycle, runnable, share)
+        for split in self.splits.values():
+            filling.in_flight[split.request.tenant_id] += split.remaining
+        model_turn: dict[str, int] = defaultdict(int)
+        open_tenants = list(tenants)
+        while open_tenants:  # passes: one turn per open tenant each
+            for tenant in list(open_tenants):
+                waiting = [q for q in queues[tenant] if q]
+                if not waiting:
+                    open_tenants.remove(tenant)
+                    continue
+                queue = waiting[model_turn[tenant] % len(waiting)]
+                model_turn[tenant] += 1
+                if not self._take_turn(queue, filling):
+                    open_tenants.remove(tenant)  # its next request or part waits for the next cycle
+        return cycle
+
+    def _queues(self, runnable: dict[str, list[QueuedRequest]], cycle: Cycle) -> dict[str, list[list]]:
+        """tenant -> its queues: per-model runs of batchable requests (each admitted as a prefix, in
+        order) and, as one-item queues, its requests being run in parts. optim_steps and other
+        operations go straight into the cycle."""
         queues: dict[str, list[list]] = defaultdict(list)
         for run in runnable.values():
             head = run[0]
@@ -98,66 +134,48 @@ class CyclePlanner:
                 cycle.optim_steps.append(head)
             else:
                 cycle.others.append(head)
-        in_flight: dict[str, int] = defaultdict(int)
         for split in self.splits.values():
             queues[split.request.tenant_id].append([split])
-            in_flight[split.request.tenant_id] += split.remaining
+        return queues
 
-        tenants = sorted(queues)
-        if tenants:
-            start = self._rotation % len(tenants)
-            tenants = tenants[start:] + tenants[:start]
-            self._rotation += 1
-        # a part's share of the cycle: all of it for a tenant alone, else half, so that the other
-        # tenants' turns find room in every cycle
-        share = self.token_budget if len(tenants) < 2 else max(1, self.token_budget // 2)
-        used = 0
-        model_turn: dict[str, int] = defaultdict(int)
-        open_tenants = list(tenants)
-        while open_tenants:
-            for tenant in list(open_tenants):
-                waiting = [q for q in queues[tenant] if q]
-                if not waiting:
-                    open_tenants.remove(tenant)
-                    continue
-                queue = waiting[model_turn[tenant] % len(waiting)]
-                model_turn[tenant] += 1
-                item = queue[0]
-                if isinstance(item, Split):
-                    tokens = min(item.remaining, share)
-                    if used and used + tokens > self.token_budget:
-                        open_tenants.remove(tenant)  # its next part waits for the next cycle
-                        continue
-                    self._add_part(cycle, item, tokens)
-                    queue.clear()
-                    used += tokens
-                    continue
-                request: QueuedRequest = item
-                limit = self.tenant_max_tokens_in_flight
-                if limit and in_flight[tenant] and in_flight[tenant] + request.num_tokens > limit:
-                    queue.clear()  # this model waits until the tenant has less in flight
-                    continue
-                if self.split_requests and request.num_tokens > share:
-                    if request is not runnable[request.model_id][0]:
-                        queue.clear()  # behind requests of its model that run now: it starts next cycle
-                        continue
-                    tokens = share
-                    if used and used + tokens > self.token_budget:
-                        open_tenants.remove(tenant)
-                        continue
-                    split = self.splits[request.id] = Split(request)
-                    self._add_part(cycle, split, tokens)
-                    queue.clear()  # the model's later requests wait for its last part
-                    used += tokens
-                    in_flight[tenant] += request.num_tokens
-                    continue
-                if used and used + request.num_tokens > self.token_budget:
-                    open_tenants.remove(tenant)  # its next request waits for the next cycle
-                    continue
-                cycle.forward_backward.append(queue.pop(0))
-                used += request.num_tokens
-                in_flight[tenant] += request.num_tokens
-        return cycle
+    def _rotated(self, tenants: list[str]) -> list[str]:
+        """The tenants, starting one later every cycle."""
+        if not tenants:
+            return tenants
+        start = self._rotation % len(tenants)
+        self._rotation += 1
+        return tenants[start:] + tenants[:start]
+
+    def _take_turn(self, queue: list, filling: _Filling) -> bool:
+        """Plan the head of one of a tenant's queues; False when it does not fit in this cycle."""
+        item = queue[0]
+        if isinstance(item, Split):
+            tokens, whole = min(item.remaining, filling.share), False
+        else:
+            tenant, limit = item.tenant_id, self.tenant_max_tokens_in_flight
+            if limit and filling.in_flight[tenant] and filling.in_flight[tenant] + item.num_tokens > limit:
+                queue.clear()  # this model waits until the tenant has less in flight
+                return True
+            whole = not (self.split_requests and item.num_tokens > filling.share)
+            if not whole and item is not filling.runnable[item.model_id][0]:
+                queue.clear()  # behind requests of its model that run now: it starts next cycle
+                return True
+            tokens = item.num_tokens if whole else filling.share
+        if filling.used and filling.used + tokens > self.token_budget:
+            return False
+        filling.used += tokens
+        if isinstance(item, Split):
+            self._add_part(filling.cycle, item, tokens)
+            queue.clear()
+            return True
+        filling.in_flight[item.tenant_id] += item.num_tokens
+        if whole:
+            filling.cycle.forward_backward.append(queue.pop(0))
+        else:
+            split = self.splits[item.id] = Split(item)
+            self._add_part(filling.cycle, split, tokens)
+            queue.clear()  # the model's later requests wait for its last part
+        return True
 
     @staticmethod
     def _add_part(cycle: Cycle, split: Split, tokens: int) -> None:

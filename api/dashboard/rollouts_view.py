@@ -5,12 +5,13 @@ trainer's logprob of each."""
 from __future__ import annotations
 
 from collections import defaultdict
-from statistics import fmean
 from typing import Annotated
 
 import numpy as np
 import sqlalchemy as sa
 from fastapi import HTTPException, Query, Request
+from loraplex.wire.client import decode_forward_backward_output
+from loraplex.wire.codec import decode_forward_backward_request
 from sqlalchemy.orm import Session
 
 from api.dashboard.auth import CurrentViewer
@@ -19,8 +20,7 @@ from api.deps import DB
 from contract.kinds import RequestKind
 from db.models import Request as RequestRow
 from db.models import RequestState, RolloutSample, RolloutTrajectory, RolloutTurn
-from loraplex.wire.client import decode_forward_backward_output
-from loraplex.wire.codec import decode_forward_backward_request
+from db.rl_groups import group_members, step_summaries
 
 TRAINER_SEARCH = 50  # newest forward/forward_backward requests of the run searched for a trajectory's tokens
 
@@ -33,73 +33,13 @@ def _floats(raw: bytes) -> list[float]:
     return np.frombuffer(raw, dtype="<f4").tolist()
 
 
-def _of_run(run_id: str):
-    """Turns sampled from the run's snapshots (their tinker:// sampler path names the run)."""
-    return RolloutTurn.sampler_path.startswith(f"tinker://{run_id}/", autoescape=True)
-
-
-def _stats(values: list[float]) -> dict | None:
-    return {"best": max(values), "mean": fmean(values), "worst": min(values)} if values else None
-
-
-def _group_json(key_prompt: int, members: list[dict], good_above: float) -> dict:
-    rewards = [m["reward"] for m in members if m["reward"] is not None]
-    outcome = ("unrewarded" if not rewards else "all_good" if all(r > good_above for r in rewards)
-               else "all_bad" if not any(r > good_above for r in rewards) else "mixed")
-    return {"prompt_tokens": key_prompt, "size": len(members), "outcome": outcome, "reward": _stats(rewards),
-            "mean_output_tokens": fmean(m["output_tokens"] for m in members), "members": members}
-
-
 @router.get("/runs/{run_id}/rl_groups")
 def rl_groups(run_id: str, viewer: CurrentViewer, db: DB, since: Step = -1,
               good_above: Annotated[float, Query(allow_inf_nan=False)] = 0.0) -> dict:
-    """A group: the first-turn samples of one prompt at one step (the n choices of one call, and the
-    trajectories that began with the same prompt tokens). A member's reward is its own, else its
-    trajectory's; its output tokens are its sampled tokens, with a one-choice trajectory's later turns."""
+    """The run's RL groups per step (db/rl_groups.py)."""
     run = visible_run(db, viewer, run_id)
-    turns = db.execute(
-        sa.select(RolloutTurn.id, RolloutTurn.trajectory_id, RolloutTurn.turn, RolloutTurn.policy_version,
-                  RolloutTurn.prompt_tokens, RolloutTrajectory.session_id, RolloutTrajectory.reward)
-        .join(RolloutTrajectory, RolloutTrajectory.id == RolloutTurn.trajectory_id)
-        .where(RolloutTurn.tenant_id == run.tenant_id, _of_run(run_id), RolloutTurn.policy_version > since)
-        .order_by(RolloutTurn.trajectory_id, RolloutTurn.turn)).all()
-    samples: dict[str, list] = defaultdict(list)
-    for chunk in range(0, len(turns), 500):  # bounded IN lists
-        ids = [t.id for t in turns[chunk:chunk + 500]]
-        for sample in db.execute(sa.select(RolloutSample.turn_id, RolloutSample.choice, RolloutSample.tokens,
-                                           RolloutSample.reward).where(RolloutSample.turn_id.in_(ids))
-                                 .order_by(RolloutSample.turn_id, RolloutSample.choice)):
-            samples[sample.turn_id].append(sample)
-    later_tokens: dict[str, int] = defaultdict(int)  # a trajectory's tokens sampled after its first turn
-    for t in turns:
-        if t.turn > 0 and len(samples[t.id]) == 1:
-            later_tokens[t.trajectory_id] += len(samples[t.id][0].tokens) // 4
-    groups: dict[tuple[int, bytes], list[dict]] = defaultdict(list)
-    for t in turns:
-        if t.turn != 0:
-            continue
-        only = len(samples[t.id]) == 1
-        for sample in samples[t.id]:
-            groups[(t.policy_version, t.prompt_tokens)].append({
-                "session_id": t.session_id, "turn": 0, "choice": sample.choice,
-                "reward": sample.reward if sample.reward is not None else t.reward,
-                "output_tokens": len(sample.tokens) // 4 + (later_tokens[t.trajectory_id] if only else 0)})
-    by_step: dict[int, list[dict]] = defaultdict(list)
-    for (step, prompt), members in groups.items():
-        by_step[step].append(_group_json(len(prompt) // 4, members, good_above))
-    steps = []
-    for step in sorted(by_step):
-        step_groups = by_step[step]
-        rewarded = [g for g in step_groups if g["outcome"] != "unrewarded"]
-        members = [m for g in step_groups for m in g["members"]]
-        steps.append({
-            "step": step, "groups": step_groups,
-            "reward": _stats([m["reward"] for m in members if m["reward"] is not None]),
-            "mean_output_tokens": fmean(m["output_tokens"] for m in members),
-            "fractions": {k: (sum(g["outcome"] == k for g in rewarded) / len(rewarded) if rewarded else 0.0)
-                          for k in ("all_good", "all_bad", "mixed")},
-        })
-    return {"run_id": run_id, "steps": steps}
+    groups = group_members(db, run.tenant_id, run_id, since)
+    return {"run_id": run_id, "steps": step_summaries(groups, good_above)}
 
 
 def _trainer_logprobs(db: Session, run_id: str, since, sequences: list[np.ndarray]) -> list[list[float] | None]:

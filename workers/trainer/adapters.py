@@ -94,9 +94,6 @@ class Adapter:
             yield f"{path}.lora_A", w.lora_a
             yield f"{path}.lora_B", w.lora_b
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def has_gradients(self) -> bool:
         return self.gradients_pending
 
