@@ -2,6 +2,7 @@
 to the scheduler, retries, and the window of seq_ids a model accepts."""
 
 from api.submit import MAX_SEQ_AHEAD
+from db.models import TrainingModel
 
 
 def new_model(http, seq: int = 0, rank: int = 4) -> dict:
@@ -55,3 +56,27 @@ def test_training_runs_are_listed_newest_first_with_a_cursor(api):
     page = http.get("/training_runs", params={"limit": 2, "offset": 1}).json()
     assert [r["training_run_id"] for r in page["training_runs"]] == ids[::-1][1:]
     assert page["cursor"] == {"offset": 1, "limit": 2, "total_count": 3}
+
+
+def test_runs_and_checkpoints_answer_exactly_the_sdks_types(api):
+    """One schema: every field the server sends is a field of the SDK's TrainingRun / Checkpoint, so
+    reading an answer and writing it back changes nothing (user_metadata included)."""
+    from db.models import Checkpoint as CheckpointRow
+    from loraplex.types import Checkpoint, TrainingRun
+
+    key = api.key("ada")
+    http = api.as_tenant(key)
+    model_id = new_model(http)["model_id"]
+    with api.sessions() as s:
+        run = s.get(TrainingModel, model_id)
+        run.user_metadata = {"team": "rl"}
+        s.add(CheckpointRow(tenant_id=run.tenant_id, model_id=model_id, kind="sampler", name="v1",
+                            tinker_path=f"tinker://{model_id}/sampler_weights/v1", storage_path="/ckpt/v1",
+                            size_bytes=123, user_metadata={"step": "1"}))
+        s.commit()
+    answer = http.get(f"/training_runs/{model_id}").json()
+    assert TrainingRun.from_json(answer).to_json() == answer
+    assert TrainingRun.from_json(answer).last_sampler_checkpoint.user_metadata == {"step": "1"}
+    (checkpoint,) = http.get(f"/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert Checkpoint.from_json(checkpoint).to_json() == checkpoint
+    assert TrainingRun.from_json(answer).user_metadata == {"team": "rl"}
