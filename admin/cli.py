@@ -246,7 +246,8 @@ def checkpoints_export(tinker_path: str, dest: Path) -> None:
         model = s.get(TrainingModel, row.model_id)
     if dest.exists():
         raise typer.BadParameter(f"{dest} exists", param_hint="DEST")
-    export_peft(row.storage_path, dest, model_info(model.base_model, _state["settings"].model_cache).path)
+    settings = _state["settings"]
+    export_peft(row.storage_path, dest, model_info(settings.model_source(model.base_model), settings.model_cache).path)
     console.print(f"{tinker_path} -> {dest}")
 
 
@@ -288,7 +289,7 @@ def _engine(model: TrainingModel):
     from workers.trainer.engine import TrainerEngine
 
     settings: Settings = _state["settings"]
-    return TrainerEngine(model_info(model.base_model, settings.model_cache).path,
+    return TrainerEngine(model_info(settings.model_source(model.base_model), settings.model_cache).path,
                          max_rank=max(settings.max_lora_rank, model.lora_config["rank"]),
                          min_shared_prefix=settings.trainer_min_shared_prefix,
                          keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)

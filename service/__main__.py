@@ -13,12 +13,24 @@ from service.settings import Settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
-BASE_MODEL = typer.Option(None, help="registry name or local HF folder (default: tiny)")
+BASE_MODEL = typer.Option(None, help="registered model, hub id in the local Hugging Face cache, or HF folder (default: tiny)")
+MODEL_NAME = typer.Option(None, help="the hub id a folder --base-model is advertised under (e.g. Qwen/Qwen3-0.6B)")
 DATA_DIR = typer.Option(None, help="SQLite database (unless LORAPLEX_DATABASE_URL), checkpoints, adapter state")
 
 
 def settings(**flags) -> Settings:
     return Settings(**{name: value for name, value in flags.items() if value})
+
+
+def refusing_unservable_models(run):
+    """Run `run`; a base model that cannot be served ends the process with its reason, not a traceback."""
+    from models.registry import ModelUnavailable
+
+    try:
+        run()
+    except ModelUnavailable as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.callback()
@@ -27,34 +39,36 @@ def main() -> None:
 
 
 @app.command()
-def serve(base_model: str = BASE_MODEL, host: str = typer.Option(None), port: int = typer.Option(None),
-          data_dir: Path = DATA_DIR) -> None:
+def serve(base_model: str = BASE_MODEL, model_name: str = MODEL_NAME, host: str = typer.Option(None),
+          port: int = typer.Option(None), data_dir: Path = DATA_DIR) -> None:
     """Run the embedded server: API + scheduler + trainer (+ sampler) in one process."""
     from service.openmp import spin_between_parallel_regions
 
-    server_settings = settings(base_model=base_model, host=host, port=port, data_dir=data_dir)
+    server_settings = settings(base_model=base_model, model_name=model_name, host=host, port=port, data_dir=data_dir)
     # before torch loads (Settings does not import it): trainer and sampler share the CPUs
     spin_between_parallel_regions(server_settings.keep_openmp_defaults)
     from service.embedded import serve as run
 
-    run(server_settings)
+    refusing_unservable_models(lambda: run(server_settings))
 
 
 @app.command()
-def api(base_model: str = BASE_MODEL, host: str = typer.Option(None), port: int = typer.Option(None),
-        data_dir: Path = DATA_DIR) -> None:
+def api(base_model: str = BASE_MODEL, model_name: str = MODEL_NAME, host: str = typer.Option(None),
+        port: int = typer.Option(None), data_dir: Path = DATA_DIR) -> None:
     """Run one API replica (distributed mode: needs Redis, a scheduler and Celery workers)."""
     from service.distributed import run_api
 
-    run_api(settings(base_model=base_model, host=host, port=port, data_dir=data_dir))
+    api_settings = settings(base_model=base_model, model_name=model_name, host=host, port=port, data_dir=data_dir)
+    refusing_unservable_models(lambda: run_api(api_settings))
 
 
 @app.command()
-def scheduler(base_model: str = BASE_MODEL, data_dir: Path = DATA_DIR) -> None:
+def scheduler(base_model: str = BASE_MODEL, model_name: str = MODEL_NAME, data_dir: Path = DATA_DIR) -> None:
     """Run the scheduler (distributed mode: exactly one per base model)."""
     from service.distributed import run_scheduler
 
-    run_scheduler(settings(base_model=base_model, data_dir=data_dir))
+    scheduler_settings = settings(base_model=base_model, model_name=model_name, data_dir=data_dir)
+    refusing_unservable_models(lambda: run_scheduler(scheduler_settings))
 
 
 if __name__ == "__main__":

@@ -30,12 +30,11 @@ app = make_worker_app(Settings, _state)  # reads the settings when the worker st
 @signals.worker_ready.connect
 def _start(sender=None, **_) -> None:
     """Load the engine once, register, and start the heartbeat."""
-    from models.registry import model_info
     from workers.trainer.engine import TrainerEngine
     from workers.trainer.executor import InProcessExecutor
 
     settings: Settings = _state["settings"]
-    info = model_info(settings.base_model, settings.model_cache)
+    info = settings.served_model()
     engine = TrainerEngine(info.path, max_rank=settings.max_lora_rank, min_shared_prefix=settings.trainer_min_shared_prefix,
                            keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)
     executor = InProcessExecutor(engine, settings.live_dir,

@@ -26,7 +26,6 @@ from messaging.bus import FinishedListener, FinishedPublisher, InboxConsumer, Re
 from messaging.celery_app import start_heartbeat
 from messaging.notify import Notifier
 from messaging.remote_streams import RemoteStreams
-from models.registry import model_info
 from scheduler.celery_executor import CeleryExecutor
 from scheduler.janitor import Janitor
 from scheduler.sampling import SamplingDispatcher
@@ -48,7 +47,7 @@ def build_api(settings: Settings):
     """The FastAPI app of one API replica, and the listener that wakes its long-polls."""
     sessions = _database(settings)
     client = redis.Redis.from_url(settings.redis_url)
-    info = model_info(settings.base_model, settings.model_cache)
+    info = settings.served_model()
     notifier = Notifier()
     inbox = RedisInbox(client, info.name)
     sampling = RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending) if settings.sampler_enabled else None
@@ -67,7 +66,7 @@ class SchedulerProcess:
     def __init__(self, settings: Settings) -> None:
         self.sessions = _database(settings)
         client = redis.Redis.from_url(settings.redis_url)
-        info = model_info(settings.base_model, settings.model_cache)
+        info = settings.served_model()
         publisher = FinishedPublisher(client)
         self.executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
         self.scheduler = SchedulerService(self.sessions, self.executor, settings.cycle_token_budget, publisher,

@@ -26,7 +26,6 @@ from db.models import Tenant
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from db.tenants import create_tenant
 from messaging.notify import Notifier
-from models.registry import model_info
 from scheduler.janitor import Janitor
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
@@ -89,7 +88,7 @@ def build(settings: Settings) -> EmbeddedServer:
     # built on first use (registry) is built there too
     one_thread = settings.compute_thread if settings.compute_thread is not None else not torch.cuda.is_available()
     compute = ComputeThread() if one_thread else None
-    info = run_on(compute, lambda: model_info(settings.base_model, settings.model_cache))
+    info = run_on(compute, settings.served_model)
     live_dir = settings.live_dir
     if settings.executor == "celery":  # trainer workers elsewhere; live_dir must be on a shared store
         from scheduler.celery_executor import CeleryExecutor

@@ -40,11 +40,10 @@ app = make_worker_app(Settings, _state)  # reads the settings when the worker st
 @signals.worker_ready.connect
 def _start(sender=None, **_) -> None:
     """Start the engine (it loads in the background and queues jobs meanwhile), register, beat."""
-    from models.registry import model_info
     from workers.sampler.engine import SamplerConfig, SamplerEngine
 
     settings: Settings = _state["settings"]
-    info = model_info(settings.base_model, settings.model_cache)
+    info = settings.served_model()
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info)).start()
     if settings.metrics_port:
         prometheus_client.start_http_server(settings.metrics_port)

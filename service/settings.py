@@ -33,7 +33,10 @@ class Settings(BaseSettings):
                              "(empty: loraplex-store-cache in the system's temp dir)")
     database_url: str = Field("", description="SQLAlchemy URL, e.g. postgresql+psycopg://... (empty: SQLite under data_dir)")
     base_model: str = Field("tiny", description="a registered model's hub id or short name (tiny, SmolLM2-135M-Instruct; "
-                            "models/registry.py) or a local Hugging Face folder (flag --base-model)")
+                            "models/registry.py), a local Hugging Face folder, or any hub id in the local Hugging Face "
+                            "cache (downloaded first where the hub is reachable) (flag --base-model; docs/models.md)")
+    model_name: str = Field("", description="the hub id a folder base_model is advertised under, e.g. Qwen/Qwen3-0.6B, "
+                            "so clients load its tokenizer by that id (empty: the folder's path) (flag --model-name)")
     model_cache: Path = Field(registry.DEFAULT_CACHE_DIR, description="where registered base models are built or "
                               "converted, once (models/registry.py)")
     host: str = Field("127.0.0.1", description="the API's address (flag --host)")
@@ -130,3 +133,12 @@ class Settings(BaseSettings):
     def live_dir(self) -> str:
         """Where each adapter's durable training state goes (a store location)."""
         return store.join(self.store_root, "live")
+
+    def served_model(self) -> registry.ModelInfo:
+        """The base model these settings serve; registry.ModelUnavailable (its message names why) if it cannot be."""
+        return registry.model_info(self.base_model, self.model_cache, self.model_name or None)
+
+    def model_source(self, name: str) -> str:
+        """Where a run's base model `name` (as stored with the run) loads from: this deployment's folder when
+        `name` is the hub id it advertises that folder under, else the name itself."""
+        return self.base_model if self.model_name and name == self.model_name else name

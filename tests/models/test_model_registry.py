@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from models.registry import (
     ALIASES,
     REGISTRY,
-    canonical_name,
+    ModelUnavailable,
     hub_id,
     model_info,
     names_of,
@@ -41,15 +41,15 @@ def test_every_model_is_named_by_a_hub_id_that_tinker_loads_unchanged():
 def test_hub_ids_and_aliases_name_the_same_model():
     for name, aliases in NAMES.items():
         for alias in [name, *aliases]:
-            assert canonical_name(alias) == hub_id(alias) == name
+            assert hub_id(alias) == name
             assert names_of(alias) == [name, *aliases]
     assert not set(ALIASES) & set(REGISTRY)  # an alias never shadows another model's hub id
 
 
 def test_an_unknown_name_is_refused_naming_it_and_the_known_ones():
-    with pytest.raises(KeyError, match="base_model: unknown base model 'Qwen/Qwen3-8B'; known: 'loraplex/tiny' "
-                                       "\\(or 'tiny'\\)"):
-        canonical_name("Qwen/Qwen3-8B")
+    with pytest.raises(ModelUnavailable, match="base_model: 'Qwen/Qwen3-8B' is not in the local Hugging Face cache "
+                                               ".* registered models: 'loraplex/tiny', "):
+        resolve_model("Qwen/Qwen3-8B")
     assert hub_id("/models/my-llama") == "/models/my-llama"  # a local folder keeps its path as its name
     assert names_of("/models/my-llama") == ["/models/my-llama"]
 
