@@ -25,6 +25,7 @@ import zstandard
 from sqlalchemy.orm import Session
 
 from api.deps import tenant_of_key
+from api.input_policy import ID_CHARS, is_text
 from api.submit import seq_window, submit
 from contract.kinds import RequestKind
 from contract.payloads import RejectedPayload
@@ -63,9 +64,12 @@ def _from_json(body: bytes) -> tuple[str, int] | None:
         obj: Any = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or only its beginning: look for the two keys
         model, seq = _JSON_MODEL_ID.search(body), _JSON_SEQ_ID.search(body)
-        return (model.group(1).decode(), int(seq.group(1))) if model and seq else None
+        return (model.group(1).decode(errors="replace"), int(seq.group(1))) if model and seq else None
     if isinstance(obj, dict) and isinstance(obj.get("model_id"), str) and type(obj.get("seq_id")) is int:
-        return obj["model_id"], obj["seq_id"]
+        model_id = obj["model_id"]
+        # an id no model can have is not looked up: a lone surrogate cannot even be sent to the database
+        if len(model_id) <= ID_CHARS and is_text(model_id):
+            return model_id, obj["seq_id"]
     return None
 
 

@@ -6,7 +6,10 @@
    at most `UNAUTHENTICATED_BODY_BYTES` read: past that the key is checked (once, then cached
    briefly) and a missing or dead key is refused with 401, so a caller with no key cannot make
    the server hold a large body.
-2. A refused training request releases its seq_id at once (api/refusals.py): every 4xx except
+2. A JSON body passes the input policy (api/input_policy.py) before a route parses it: valid
+   UTF-8 and Unicode, nested at most MAX_JSON_DEPTH levels; otherwise a 400 naming the field (in
+   the OpenAI or Anthropic error shape on those routes).
+3. A refused training request releases its seq_id at once (api/refusals.py): every 4xx except
    429 whose body names a (model_id, seq_id) is recorded before the answer goes out, so the
    client's next request finds it already passed.
 
@@ -23,7 +26,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
+from api import input_policy
 from api.deps import tenant_of_key
+from api.inference.errors import InferenceError, error_response
 from api.public_errors import MAX_ERROR_CHARS
 from api.refusals import PREFIX_BYTES, read_seq_ref, record_refusal
 from db.tenants import hash_key
@@ -32,6 +37,10 @@ UNAUTHENTICATED_BODY_BYTES = 64 * 1024  # more than any request that needs no ke
 _KEY_CACHE_SECONDS = 30.0  # only gates body reading; every route still authenticates for itself
 _KEY_CACHE_SIZE = 10_000
 _NO_KEY = "X-API-Key: missing, invalid, revoked or disabled (a body this large needs a live key)"
+# Bodies a route never reads as JSON: forward_backward's protobuf (checked after decoding), forms.
+_NOT_JSON = ("application/x-protobuf", "application/x-www-form-urlencoded", "multipart/form-data")
+# Larger JSON bodies are checked on a worker thread, so the event loop keeps serving others meanwhile.
+_CHECK_INLINE_BYTES = 64 * 1024
 
 
 class Refused(Exception):
@@ -51,6 +60,7 @@ class RequestGuard:
         headers = Headers(scope=scope)
         try:
             body = await self._read_body(scope, receive, headers)
+            await _check_json(scope, headers, body)
         except Refused as refused:
             await self._refuse(scope, send, headers, refused)
             return
@@ -113,7 +123,34 @@ class RequestGuard:
         """Answer a request refused here; the client may still be sending (the server closes the connection)."""
         if refused.status != 401:
             await release_seq_id(scope, headers, refused.prefix, refused.status, refused.detail)
-        await JSONResponse({"detail": refused.detail}, status_code=refused.status)(scope, _no_receive, send)
+        await _refusal(scope, refused)(scope, _no_receive, send)
+
+
+async def _check_json(scope, headers: Headers, body: bytes) -> None:
+    """The input policy on a body its route reads as JSON (Refused with 400 if it fails)."""
+    content_type = headers.get("content-type", "").lower()
+    if not body or content_type.startswith(_NOT_JSON):
+        return
+    if len(body) <= _CHECK_INLINE_BYTES:
+        problem = input_policy.json_body_problem(body)
+    else:
+        problem = await run_in_threadpool(input_policy.json_body_problem, body)
+    if problem is not None:
+        raise Refused(400, problem, body[:PREFIX_BYTES])
+
+
+def _refusal(scope, refused: Refused) -> JSONResponse:
+    """A refusal in the error shape of the route's API: OpenAI's, Anthropic's, or the Tinker routes' detail.
+    (The 401 and 413 of reading a body keep the detail shape on every route.)"""
+    path = scope["path"]
+    if refused.status == 400 and path.startswith(("/oai/", "/anthropic/")):
+        settings = scope["app"].state.settings
+        if path.startswith("/anthropic/"):
+            from api.inference.anthropic_api import anthropic_error  # the Anthropic routes' own module
+
+            return anthropic_error(settings, InferenceError(400, refused.detail))
+        return error_response(settings, InferenceError(400, refused.detail))
+    return JSONResponse({"detail": refused.detail}, status_code=refused.status)
 
 
 def _prefix(chunks: list[bytes]) -> bytes:

@@ -9,7 +9,7 @@ client sends it, the optimizer applies it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from contract.errors import InvalidInputError
 from loraplex.types import DEFAULT_LORA_RANK, AdamParams
@@ -50,6 +50,23 @@ class LoraConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_JSON_KINDS = {str: "text", bool: "true or false", list: "a list", dict: "an object", type(None): "null"}
+
+
+def adam_params_from(raw: dict) -> AdamParams:
+    """AdamParams from a request's hyperparameters; InvalidInputError naming the first that is unknown or
+    not a number (before this, Python's own TypeError text reached the caller)."""
+    known = [f.name for f in fields(AdamParams)]
+    for name, value in raw.items():
+        if name not in known:
+            raise InvalidInputError(f"adam_params.{str(name)[:64]}",
+                                    f"not a hyperparameter of AdamW; known: {', '.join(known)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            kind = _JSON_KINDS.get(type(value), "a value")
+            raise InvalidInputError(f"adam_params.{name}", f"must be a number, got {kind}")
+    return AdamParams(**raw)
 
 
 def check_adam_params(adam: AdamParams) -> None:

@@ -58,6 +58,7 @@ async def _prepare(request: Request):
     """(tenant, the parsed body, the Call to sample) of a Messages request; every refusal raised here."""
     tenant = await run_in_threadpool(calls.authenticate, request)
     raw = await calls.json_body(request)
+    await calls.check_prompt_size(request, raw)
     body = anthropic_params.parse(raw)
     target, parse_tools, prompt = await _render(request, tenant, body)
     options = calls.sampling_options(
@@ -76,8 +77,9 @@ async def count_tokens(request: Request) -> Response:
     async def work() -> Response:
         answers = await _answers()
         tenant = await run_in_threadpool(calls.authenticate, request)
-        body = anthropic_params.parse(await calls.json_body(request), anthropic_params.Conversation,
-                                      anthropic_params.COUNT_PARAMETERS)
+        raw = await calls.json_body(request)
+        await calls.check_prompt_size(request, raw)
+        body = anthropic_params.parse(raw, anthropic_params.Conversation, anthropic_params.COUNT_PARAMETERS)
         _, _, prompt = await _render(request, tenant, body)
         return JSONResponse(answers.token_count(len(prompt)))
 

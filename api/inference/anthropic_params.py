@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.bounds import INT32_MAX
+from api.input_policy import INT32_MAX, Label, StopStrings
 from api.inference.errors import InferenceError
 from api.inference.params import is_neutral, validation_message
 
@@ -61,8 +61,8 @@ class MessagesRequest(Conversation):
     temperature: float | None = Field(None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=INT32_MAX)  # 0: no limit
-    stop_sequences: list[str] | None = None
-    metadata: dict[str, str | None] | None = None
+    stop_sequences: StopStrings | None = None
+    metadata: dict[Label, Label | None] | None = None  # only user_id (checked in parse)
     stream: bool = False
 
 

@@ -43,6 +43,7 @@ async def chat_completions(request: Request) -> Response:
         responses = await _responses()
         tenant = await run_in_threadpool(calls.authenticate, request)
         raw = await calls.json_body(request)
+        await calls.check_prompt_size(request, raw)
         body: params.ChatRequest = params.parse(params.ChatRequest, raw, params.CHAT_PARAMETERS)
         tools = body.tools or None
         target, prompt = await calls.render_for(request, tenant, body.model,
@@ -77,6 +78,7 @@ async def completions(request: Request) -> Response:
         responses = await _responses()
         tenant = await run_in_threadpool(calls.authenticate, request)
         raw = await calls.json_body(request)
+        await calls.check_prompt_size(request, raw, token_prompt="prompt")
         body: params.CompletionRequest = params.parse(params.CompletionRequest, raw, params.COMPLETION_PARAMETERS)
         info = request.app.state.model_info
         target = await run_in_threadpool(calls.resolve, request, tenant, body.model)

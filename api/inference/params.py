@@ -19,7 +19,7 @@ from typing import Any
 from loraplex.types import SAMPLING_DEFAULTS
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.bounds import INT32_MAX, Seed
+from api.input_policy import INT32_MAX, Label, OpenAIMetadata, Seed, StopStrings
 from api.inference.errors import InferenceError
 from api.routes.sampling import MAX_TOPK
 from contract.sampling import SamplingOptions
@@ -100,9 +100,9 @@ class InferenceRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # extension; -1 or 0: no limit
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Label | StopStrings | None = None
     user: str | None = Field(None, max_length=1000)
-    metadata: dict[str, str] | None = None
+    metadata: OpenAIMetadata | None = None
     return_tokens_as_token_ids: bool = False  # extension
     stream: bool | None = None  # server-sent events as the engine makes the tokens (api/inference/chunks.py)
     stream_options: StreamOptions | None = None

@@ -45,6 +45,14 @@ def end_token_ids(model_path: str) -> frozenset[int]:
     return frozenset(i for i in ids if isinstance(i, int))
 
 
+@lru_cache(maxsize=4)
+def max_token_bytes(model_path: str) -> int:
+    """The UTF-8 length of the tokenizer's longest vocabulary entry, as the vocabulary spells it (added and
+    special tokens included): no token stands for more text (api/input_policy.py, prompt_byte_limit)."""
+    vocab = tokenizer_of(model_path).get_vocab()
+    return max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1)
+
+
 # --- requests -----------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.inference import calls, responses_params
 from api.inference.errors import InferenceError
+from api.input_policy import readable
 from db.models import RolloutTrajectory, RolloutTurn
 
 router = APIRouter(prefix="/oai/api/v1")
@@ -56,8 +57,10 @@ def _history(request: Request, tenant_id: str, previous_id: str) -> tuple[list, 
         while turn is not None:
             if len(chain) == MAX_CHAIN:
                 raise InferenceError(400, f"previous_response_id: a chain of more than {MAX_CHAIN} responses")
-            chain.append(responses_params.input_items(turn.request_body["input"]) + turn.response_body["output"])
-            earlier = turn.request_body.get("previous_response_id")
+            # maybe stored before the input policy: answered as readable
+            asked, answered = readable(turn.request_body), readable(turn.response_body)
+            chain.append(responses_params.input_items(asked["input"]) + answered["output"])
+            earlier = asked.get("previous_response_id")
             turn = _stored(s, tenant_id, earlier) if earlier else None
     return [item for items in reversed(chain) for item in items], session_id
 
@@ -68,10 +71,13 @@ async def create_response(request: Request) -> Response:
         answers = await _answers()
         tenant = await run_in_threadpool(calls.authenticate, request)
         raw = await calls.json_body(request)
+        await calls.check_prompt_size(request, raw)
         body = responses_params.parse(raw)
         items, previous_session = [], None
         if body.previous_response_id is not None:
             items, previous_session = await run_in_threadpool(_history, request, tenant.id, body.previous_response_id)
+            # the chain is rendered too: up to MAX_CHAIN stored calls, each within the limit on its own
+            await calls.check_prompt_size(request, {**raw, "previous_response_id": items})
         messages = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
         messages += responses_params.template_messages(items, "previous_response_id") if items else []
         messages += responses_params.template_messages(responses_params.input_items(body.input))
@@ -114,7 +120,7 @@ async def get_response(response_id: str, request: Request) -> Response:
         def stored() -> dict | None:
             with request.app.state.sessions() as s:
                 turn = _stored(s, tenant.id, response_id)
-                return None if turn is None else turn.response_body
+                return None if turn is None else readable(turn.response_body)  # maybe stored before the policy
 
         found = await run_in_threadpool(stored)
         if found is None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.bounds import INT32_MAX
+from api.input_policy import INT32_MAX, OpenAIMetadata
 from api.inference.errors import InferenceError
 from api.inference.params import is_neutral, validation_message
 
@@ -57,7 +57,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # extension; -1 or 0: no limit
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: OpenAIMetadata | None = None
     user: str | None = Field(None, max_length=1000)
     stream: bool = False
 

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ApiKeyHeader, TenantRef, in_tenant_session
+from api.input_policy import Id
 from api.public_errors import public_error
 from db.models import Request as RequestRow
 from db.models import RequestState
@@ -48,7 +49,7 @@ async def wait_for_answer(watch: Watch, deadline: float, reread: Callable[[], Aw
 
 
 class RetrieveFuture(BaseModel):
-    request_id: str
+    request_id: Id
     allow_metadata_only: bool = False
 
 

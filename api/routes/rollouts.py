@@ -14,9 +14,10 @@ import math
 from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from api.deps import DB, CurrentTenant, Limit, Offset
+from api.input_policy import NonNegInt32, readable
 from db import rollouts, run_metrics
 from loraplex.rollouts import trajectory_datums
 
@@ -38,15 +39,18 @@ def get_trajectory(session_id: str, tenant: CurrentTenant, db: DB) -> dict:
     trajectory = rollouts.load_trajectory(db, tenant.id, session_id)
     if trajectory is None:
         raise _not_found(session_id)
-    return trajectory.to_json()
+    answer = trajectory.to_json()
+    for turn in answer["turns"]:  # the bodies as recorded: one stored before the input policy may be too deep
+        turn["request"], turn["response"] = readable(turn["request"]), readable(turn["response"])
+    return answer
 
 
 class RewardIn(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
 
     reward: float | None
-    turn: int | None = Field(None, ge=0)
-    choice: int | None = Field(None, ge=0)
+    turn: NonNegInt32 | None = None  # RolloutTurn.turn and RolloutSample.choice are INTEGER columns
+    choice: NonNegInt32 | None = None
 
 
 @router.put("/trajectories/{session_id}/reward")

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from api.deps import DB, CurrentTenant, Limit, Offset
+from api.input_policy import Int64, readable
 from api.lookups import owned_model
 from api.paths import TinkerPath
 from db import checkpoints as stored_checkpoints
@@ -37,7 +38,7 @@ def checkpoint_of(row: Checkpoint) -> CheckpointJson:
         checkpoint_id=TinkerPath.parse(row.tinker_path).checkpoint_id,
         checkpoint_type=CHECKPOINT_TYPES.get(row.kind, row.kind), time=iso(row.created_at),
         tinker_path=row.tinker_path, size_bytes=row.size_bytes, public=row.public,
-        user_metadata=row.user_metadata, expires_at=iso(row.expires_at),
+        user_metadata=readable(row.user_metadata), expires_at=iso(row.expires_at),
     )
 
 
@@ -56,7 +57,7 @@ def run_json(db: DB, run: TrainingModel) -> dict:
         training_run_id=run.id, base_model=run.base_model, model_owner=run.tenant_id, is_lora=True,
         corrupted=False, lora_rank=run.lora_config["rank"], last_request_time=iso(last or run.created_at),
         last_checkpoint=latest("training_state"), last_sampler_checkpoint=latest("sampler"),
-        user_metadata=run.user_metadata or None,
+        user_metadata=readable(run.user_metadata) or None,  # stored before the input policy: maybe too deep
     ).to_json()
 
 
@@ -124,7 +125,7 @@ def unpublish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) ->
 
 
 class Ttl(BaseModel):
-    ttl_seconds: int | None
+    ttl_seconds: Int64 | None
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")

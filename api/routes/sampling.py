@@ -19,7 +19,7 @@ from loraplex.wire.codec import WireError, model_input_tokens
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import quotas
-from api.bounds import INT32_MAX, INT64_MAX, Seed, SessionSeq
+from api.input_policy import INT32_MAX, INT64_MAX, Id, Label, Seed, SessionSeq, StopStrings, StopTokens
 from api.deps import DB, CurrentTenant
 from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
 from api.paths import sampler_id
@@ -35,10 +35,10 @@ MAX_TOPK = 20  # vLLM's default max_logprobs
 
 
 class CreateSamplingSession(BaseModel):
-    session_id: str
+    session_id: Id
     sampling_session_seq_id: SessionSeq
-    base_model: str | None = None
-    model_path: str | None = None
+    base_model: Label | None = None
+    model_path: Id | None = None
 
 
 @router.post("/create_sampling_session")
@@ -86,7 +86,7 @@ class SamplingParamsIn(BaseModel):
 
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     seed: Seed | None = None
-    stop: str | list[str] | list[int] | None = None
+    stop: Label | StopStrings | StopTokens | None = None
     temperature: float = Field(default=SAMPLING_DEFAULTS.temperature, ge=0.0)
     top_k: int = Field(default=SAMPLING_DEFAULTS.top_k, ge=-1, le=INT32_MAX)
     top_p: float = Field(default=SAMPLING_DEFAULTS.top_p, gt=0.0, le=1.0)
@@ -96,9 +96,9 @@ class SampleRequestIn(BaseModel):
     prompt: dict[str, Any]
     num_samples: int = Field(default=1, ge=1, le=INT32_MAX)
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
-    sampling_session_id: str | None = None
-    base_model: str | None = None  # legacy addressing, without a sampling session
-    model_path: str | None = None
+    sampling_session_id: Id | None = None
+    base_model: Label | None = None  # legacy addressing, without a sampling session
+    model_path: Id | None = None
     seq_id: int | None = Field(default=None, ge=0, le=INT64_MAX)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, Field
 
 from api.deps import DB, CurrentTenant, Limit, Offset
+from api.input_policy import Id, Label, Metadata, Tags, metadata_problem, readable
 from api.lookups import owned_session
 from db.models import ClientSession, Sampler, TrainingModel, utcnow
 
@@ -16,15 +15,17 @@ router = APIRouter()
 
 
 class CreateSession(BaseModel):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] = Field(default_factory=dict)
-    sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    """Every stored field bounded (api/input_policy.py); display_name is kept in user_metadata."""
+
+    tags: Tags = Field(default_factory=list)
+    user_metadata: Metadata = Field(default_factory=dict)
+    sdk_version: Label | None = None
+    project_id: Label | None = None  # not kept: tenants, no projects
+    display_name: Label | None = None
 
 
 class SessionRef(BaseModel):
-    session_id: str
+    session_id: Id
 
 
 @router.post("/create_session")
@@ -32,6 +33,8 @@ def create_session(body: CreateSession, tenant: CurrentTenant, db: DB) -> dict:
     metadata = dict(body.user_metadata)
     if body.display_name:
         metadata.setdefault("display_name", body.display_name)
+        if (problem := metadata_problem(metadata)) is not None:  # the name added to what was just in bounds
+            raise HTTPException(422, f"display_name: with user_metadata, {problem}")
     row = ClientSession(tenant_id=tenant.id, tags=body.tags, user_metadata=metadata, sdk_version=body.sdk_version)
     db.add(row)
     db.commit()
@@ -61,8 +64,11 @@ def get_session(session_id: str, tenant: CurrentTenant, db: DB) -> dict:
     row = owned_session(db, tenant.id, session_id)
     runs = db.scalars(sa.select(TrainingModel.id).where(TrainingModel.session_id == row.id)).all()
     samplers = db.scalars(sa.select(Sampler.id).where(Sampler.session_id == row.id)).all()
-    return {"training_run_ids": list(runs), "sampler_ids": list(samplers), "user_metadata": row.user_metadata,
-            "display_name": row.user_metadata.get("display_name")}
+    metadata = readable(row.user_metadata)  # stored before the input policy, it may be too deep to answer
+    name = metadata.get("display_name") if isinstance(metadata, dict) else None
+    name = name if isinstance(name, str) else None  # the SDK reads a string or null
+    return {"training_run_ids": list(runs), "sampler_ids": list(samplers), "user_metadata": metadata,
+            "display_name": name}
 
 
 @router.get("/sessions")

@@ -13,19 +13,19 @@ from typing import Any
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
-from loraplex.types import DEFAULT_LORA_RANK, AdamParams
+from loraplex.types import DEFAULT_LORA_RANK
 from loraplex.wire.codec import PROTOBUF, WireError, decode_body, decode_forward_backward_request
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from api import quotas
-from api.bounds import Seed, SeqId, SessionSeq
+from api.input_policy import Id, Label, Metadata, NonNegInt32, Seed, SeqId, SessionSeq, StrMetadata, check_wire_text
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
 from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
 from api.paths import TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
 from api.paths import model_id as make_model_id
 from api.submit import submit
-from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, check_adam_params
+from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, adam_params_from, check_adam_params
 from contract.errors import InvalidInputError
 from contract.inputs import check_request, from_wire
 from contract.kinds import RequestKind
@@ -40,7 +40,7 @@ router = APIRouter()
 class LoraConfigIn(BaseModel):
     """The lora_config of a create_model request as the client sent it (`lora_config()` resolves it)."""
 
-    rank: int = DEFAULT_LORA_RANK
+    rank: NonNegInt32 = DEFAULT_LORA_RANK  # at most the server's max_lora_rank: checked by LoraConfig.validate
     seed: Seed | None = None
     alpha: float | None = None
     train_unembed: bool = True
@@ -51,7 +51,7 @@ class LoraConfigIn(BaseModel):
 class OptimizerConfig(BaseModel):
     """Tinker's optimizer choice at create time: {"type": "adamw"} or {"type": "dimuon", "version": 1}."""
 
-    type: str = "adamw"
+    type: Label = "adamw"
 
     def check(self, field: str) -> None:
         """AdamW only: a model asking for another optimizer is refused, never silently given AdamW."""
@@ -61,20 +61,20 @@ class OptimizerConfig(BaseModel):
 
 
 class CreateModel(BaseModel):
-    session_id: str
+    session_id: Id
     model_seq_id: SessionSeq
-    base_model: str
+    base_model: Label
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: Metadata | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
 
 class ModelRef(BaseModel):
-    model_id: str
+    model_id: Id
 
 
 class OptimStep(BaseModel):
-    model_id: str
+    model_id: Id
     seq_id: SeqId
     adam_params: dict[str, Any] | None = None
     optimizer_params: dict[str, Any] | None = None
@@ -82,21 +82,21 @@ class OptimStep(BaseModel):
 
 
 class SaveWeights(BaseModel):
-    model_id: str
+    model_id: Id
     seq_id: SeqId
-    path: str | None = None
+    path: Id | None = None
     sampling_session_seq_id: SessionSeq | None = None
     ttl_seconds: int | None = Field(default=None, ge=1, le=10 * 365 * 86400)
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = Field(default=None, max_length=64)  # kept on the checkpoint
+    user_metadata: StrMetadata | None = None  # kept on the checkpoint
 
 
 class LoadWeights(BaseModel):
-    path: str
+    path: Id
     optimizer: bool = False
-    model_id: str | None = None  # legacy: load into an existing model at seq_id
+    model_id: Id | None = None  # legacy: load into an existing model at seq_id
     seq_id: SeqId | None = None
-    session_id: str | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
+    session_id: Id | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
     model_seq_id: SessionSeq | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
@@ -162,6 +162,11 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
         wire = decode_forward_backward_request(proto, None)
     except WireError as e:
         raise HTTPException(400, str(e)) from None
+    texts = {f"loss_fn_config_v2[{key[:64]!r}]": value for key, value in wire.loss_fn_config.items()
+             if isinstance(value, str)}
+    problem = check_wire_text({"model_id": wire.model_id, "loss_fn": wire.loss_fn, **texts})
+    if problem is not None:
+        raise HTTPException(400, problem)
     check_owned_model(db, tenant_id, wire.model_id)
     if wire.seq_id < 1:
         raise HTTPException(400, f"seq_id: must be >= 1, got {wire.seq_id}")
@@ -193,10 +198,8 @@ def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db:
     if raw.get("type", "adamw") not in ("adam", "adamw"):
         raise HTTPException(400, f"adam_params.type: optimizer {str(raw['type'])[:64]!r} is not supported; use AdamW")
     try:
-        adam = AdamParams(**{k: v for k, v in raw.items() if k != "type"})
+        adam = adam_params_from({k: v for k, v in raw.items() if k != "type"})
         check_adam_params(adam)
-    except TypeError as e:
-        raise HTTPException(400, f"adam_params: {e}") from None
     except InvalidInputError as e:
         raise HTTPException(400, str(e)) from None
     return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
@@ -274,7 +277,7 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
 
 
 class WeightsInfo(BaseModel):
-    tinker_path: str
+    tinker_path: Id
 
 
 @router.post("/weights_info")
