@@ -34,13 +34,24 @@ from db.models import TrainingModel
 # What is read of a body too large to accept, to find its (model_id, seq_id): the SDK writes
 # both first (protobuf fields 1 and 2; the first keys of its JSON bodies).
 PREFIX_BYTES = 64 * 1024
+# zstd gives out nothing of a compressed block until it has all of it, and a block holds up to
+# 128 KiB: a zstd body's first PREFIX_BYTES may end inside its first block, with the ids in it.
+# This much holds the frame header (at most 18 bytes), the first block's header (3) and the block.
+ZSTD_PREFIX_BYTES = 128 * 1024 + 64
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # every zstd frame starts with it
 _JSON_MODEL_ID = re.compile(rb'"model_id"\s*:\s*"([^"\\]{1,256})"')
 _JSON_SEQ_ID = re.compile(rb'"seq_id"\s*:\s*(\d{1,10})\b')
 
 
+def prefix_bytes(content_encoding: str) -> int:
+    """How much of a refused body to keep for `read_seq_ref`."""
+    return ZSTD_PREFIX_BYTES if "zstd" in content_encoding.lower() else PREFIX_BYTES
+
+
 def read_seq_ref(body: bytes, content_type: str, content_encoding: str) -> tuple[str, int] | None:
-    """The (model_id, seq_id) a body names, from all of it or only its beginning; None if unreadable."""
-    if "zstd" in content_encoding.lower():
+    """The (model_id, seq_id) a body names, from all of it or only its beginning; None if unreadable.
+    A body labelled zstd that is no zstd frame is read as it is: its ids may be plain."""
+    if "zstd" in content_encoding.lower() and body.startswith(ZSTD_MAGIC):
         body = _zstd_prefix(body)
     if "protobuf" in content_type.lower():
         return _from_protobuf(body)

@@ -30,7 +30,7 @@ from api import input_policy
 from api.deps import tenant_of_key
 from api.inference.errors import InferenceError, error_response
 from api.public_errors import MAX_ERROR_CHARS
-from api.refusals import PREFIX_BYTES, read_seq_ref, record_refusal
+from api.refusals import prefix_bytes, read_seq_ref, record_refusal
 from db.tenants import hash_key
 
 UNAUTHENTICATED_BODY_BYTES = 64 * 1024  # more than any request that needs no key
@@ -80,7 +80,8 @@ class RequestGuard:
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
             if not await self._live_key(scope, headers):
                 raise Refused(401, _NO_KEY)
-            raise Refused(413, f"body: {declared} bytes exceed the limit of {self.max_bytes}", await _read_prefix(receive))
+            raise Refused(413, f"body: {declared} bytes exceed the limit of {self.max_bytes}",
+                          await _read_prefix(receive, _keep(headers)))
         chunks: list[bytes] = []
         size, key_checked = 0, False
         while True:
@@ -94,7 +95,8 @@ class RequestGuard:
                     raise Refused(401, _NO_KEY)
                 key_checked = True
             if size > self.max_bytes:
-                raise Refused(413, f"body: over the limit of {self.max_bytes} bytes", _prefix(chunks + [chunk]))
+                raise Refused(413, f"body: over the limit of {self.max_bytes} bytes",
+                              _prefix(chunks + [chunk], _keep(headers)))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -136,7 +138,7 @@ async def _check_json(scope, headers: Headers, body: bytes) -> None:
     else:
         problem = await run_in_threadpool(input_policy.json_body_problem, body)
     if problem is not None:
-        raise Refused(400, problem, body[:PREFIX_BYTES])
+        raise Refused(400, problem, body[:_keep(headers)])
 
 
 def _refusal(scope, refused: Refused) -> JSONResponse:
@@ -153,23 +155,28 @@ def _refusal(scope, refused: Refused) -> JSONResponse:
     return JSONResponse({"detail": refused.detail}, status_code=refused.status)
 
 
-def _prefix(chunks: list[bytes]) -> bytes:
+def _keep(headers: Headers) -> int:
+    """How much of a refused body is kept to find its (model_id, seq_id) (api/refusals.py)."""
+    return prefix_bytes(headers.get("content-encoding", ""))
+
+
+def _prefix(chunks: list[bytes], keep: int) -> bytes:
     prefix = b""
     for chunk in chunks:
-        if len(prefix) >= PREFIX_BYTES:
+        if len(prefix) >= keep:
             break
-        prefix += chunk[:PREFIX_BYTES - len(prefix)]
+        prefix += chunk[:keep - len(prefix)]
     return prefix
 
 
-async def _read_prefix(receive) -> bytes:
+async def _read_prefix(receive, keep: int) -> bytes:
     prefix = b""
-    while len(prefix) < PREFIX_BYTES:
+    while len(prefix) < keep:
         message = await receive()
         prefix += message.get("body", b"")
         if message["type"] != "http.request" or not message.get("more_body", False):
             break
-    return prefix[:PREFIX_BYTES]
+    return prefix[:keep]
 
 
 async def _no_receive() -> dict[str, Any]:

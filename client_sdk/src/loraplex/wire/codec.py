@@ -128,12 +128,18 @@ def decode_body(
     return body
 
 
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # the first four bytes of every zstd frame
+
+
 def _zstd_decompress(body: bytes, cap: int) -> bytes:
     """One zstd frame (what the SDK's ``ZstdCompressor().compress`` writes), at most ``cap`` bytes out.
 
     ``decompress`` rejects truncated frames and trailing data (a streaming reader would silently
     return a short result); with ``max_output_size`` it never produces more than ``cap`` bytes.
     """
+    if not body.startswith(_ZSTD_MAGIC):
+        raise WireError("body", "Content-Encoding says zstd, but the body is not a zstd frame "
+                                "(it does not start with the zstd magic number 28 b5 2f fd)")
     try:
         declared = zstandard.frame_content_size(body)
     except zstandard.ZstdError as e:
@@ -144,6 +150,8 @@ def _zstd_decompress(body: bytes, cap: int) -> bytes:
         return zstandard.ZstdDecompressor().decompress(body, max_output_size=cap, allow_extra_data=False)
     except zstandard.ZstdError as e:
         extra = "" if declared >= 0 else f" (or it decompresses to over the {cap}-byte cap)"
+        if "did not decompress full frame" in str(e):
+            extra += ": the frame is cut short (truncated body?)"
         raise WireError("body", f"invalid zstd data: {e}{extra}") from None
 
 
