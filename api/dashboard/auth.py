@@ -11,10 +11,12 @@ request checks the key as well as the session). Scripts may skip the cookie and 
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Annotated
+from urllib.parse import quote, unquote, urlsplit
 
 import sqlalchemy as sa
 from fastapi import APIRouter, Depends, Form, HTTPException, Request
@@ -121,12 +123,19 @@ def _wants_json(request: Request) -> bool:
     return "application/json" in request.headers.get("accept", "")
 
 
-def _safe_next(target: str | None) -> str:
-    """Only a path of the dashboard: never another site (an open redirect) or a scheme-relative URL."""
-    if target and (target == COOKIE_PATH or target.startswith(COOKIE_PATH + "/")) and "//" not in target \
-            and "\\" not in target:
-        return target
-    return COOKIE_PATH
+def safe_next(target: str | None) -> str:
+    """Only a path of the dashboard: never another site (an open redirect) or a scheme-relative URL.
+    Dot segments, %2e-encoded ones too, are resolved here as a browser would resolve them, so the
+    path checked is the path visited: `/dashboard/../../evil` gives /dashboard, not /evil."""
+    if not target or len(target) > 2048 or any(c in target for c in "\\\r\n\t"):
+        return COOKIE_PATH
+    parts = urlsplit(target)
+    if parts.scheme or parts.netloc or not parts.path.startswith("/"):
+        return COOKIE_PATH
+    path = "/" + posixpath.normpath(unquote(parts.path)).lstrip("/")  # normpath keeps a leading "//"
+    if path != COOKIE_PATH and not path.startswith(COOKIE_PATH + "/"):
+        return COOKIE_PATH
+    return quote(path, safe="/:@!$&'()*+,;=-._~") + (f"?{parts.query}" if parts.query else "")
 
 
 @router.post("/dashboard/login")
@@ -142,8 +151,9 @@ def login(request: Request, db: DB, api_key: Annotated[str, Form()], next: Annot
                             created_at=now, expires_at=now + timedelta(seconds=SESSION_SECONDS)))
     db.execute(sa.delete(DashboardSession).where(DashboardSession.expires_at <= now))  # expired ones go by the way
     db.commit()
-    response: Response = (JSONResponse({"viewer": viewer.to_json()}) if _wants_json(request)
-                          else RedirectResponse(_safe_next(next), status_code=303))
+    # the page's script goes where a plain form's redirect would (static/login.js)
+    response: Response = (JSONResponse({"viewer": viewer.to_json(), "next": safe_next(next)}) if _wants_json(request)
+                          else RedirectResponse(safe_next(next), status_code=303))
     response.set_cookie(COOKIE, session_id, max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
     return response

@@ -12,8 +12,9 @@
       body: new URLSearchParams(new FormData(form)),
     }).catch((error) => ({ok: false, json: async () => ({detail: `could not reach the server: ${error.message}`})}));
     if (response.ok) {
-      const next = form.elements.next.value;
-      location.assign(next.startsWith("/dashboard") ? next : "/dashboard");
+      // the server's normalised target: a prefix check here would let "/dashboard/../evil" through
+      const body = await response.json().catch(() => ({}));
+      location.assign(body.next || "/dashboard");
       return;
     }
     const body = await response.json().catch(() => ({}));
