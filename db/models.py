@@ -359,3 +359,17 @@ class ClientMetric(Base):
     tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"))
     value: Mapped[float] = mapped_column(sa.Double)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SchedulerBeat(Base):
+    """A running scheduler, refreshed every few seconds (scheduler/liveness.py): tools that change a
+    model's stored state behind the service's back (`loraplex-admin models reset`) refuse while one
+    beats, since the process it feeds holds the models' weights in memory and would write over them."""
+
+    __tablename__ = "scheduler_beats"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    host: Mapped[str]
+    pid: Mapped[int]
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    beat_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -29,6 +29,7 @@ from db import run_metrics
 from db.models import Checkpoint, Request, RequestState, TrainingModel, utcnow
 from messaging.notify import Answer, Notifier
 from scheduler import metrics
+from scheduler.liveness import Heartbeat
 from scheduler.ordering import ReorderBuffer
 from scheduler.planner import CyclePlanner
 
@@ -89,6 +90,7 @@ class SchedulerService:
         self._idle = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.heartbeat = Heartbeat(sessions)  # says in the database that a scheduler runs (scheduler/liveness.py)
 
     # --- feeding ---------------------------------------------------------------------------------
 
@@ -355,6 +357,7 @@ class SchedulerService:
                 self.wakeup.clear()
 
     def start(self) -> None:
+        self.heartbeat.start()  # before recovery: it may replay for minutes, holding the models meanwhile
         self.recover()
         self._thread = threading.Thread(target=self.run_forever, name="scheduler", daemon=True)
         self._thread.start()
@@ -364,3 +367,4 @@ class SchedulerService:
         self.wakeup.set()
         if self._thread:
             self._thread.join(timeout=30)
+        self.heartbeat.stop()
