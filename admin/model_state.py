@@ -12,7 +12,8 @@ requests after it, which the database holds with their payloads. Bases, best (la
 The requests after the base are replayed by the scheduler's own replay (`_replay_lost_work`: the
 code a restart runs), on a trainer engine in this process, and the result is written to both
 slots as the state after the model's last applied seq_id. Run it while the model's requests fail
-(the server then holds no copy of it in memory) or with the server stopped.
+(the server then holds no copy of it in memory) or with the server stopped. A reset is refused while
+a scheduler runs (admin/models_cli.py): the model it holds would overwrite the reset.
 """
 
 from __future__ import annotations
@@ -186,3 +187,11 @@ def reset(model: TrainingModel, settings: Settings, checkpoint: Checkpoint, engi
         _write(executor, model, with_gradients=False)
     finally:
         executor.close()
+
+
+def to_replay(s: Session, model: TrainingModel, base: Base) -> int:
+    """How many requests a rebuild from `base` replays: the model's finished forward_backward and
+    optim_step requests after it, as the scheduler's replay selects them (other kinds change no state)."""
+    return s.scalar(sa.select(sa.func.count()).select_from(Request).where(
+        Request.model_id == model.id, Request.kind.in_([RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP]),
+        Request.state == RequestState.DONE, Request.seq_id > base.seq, Request.seq_id <= model.last_applied_seq_id))

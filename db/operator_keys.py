@@ -30,3 +30,10 @@ def revoke_operator_key(s: Session, key_prefix: str) -> int:
         row.revoked_at = utcnow()
     s.commit()
     return len(rows)
+
+
+def matching_operator_keys(s: Session, key_prefix: str) -> list[OperatorKey]:
+    """The live keys that `key_prefix` names: their listed prefix starts with it, or it starts with
+    their listed prefix (the whole key given)."""
+    rows = s.scalars(sa.select(OperatorKey).where(OperatorKey.revoked_at.is_(None))).all()
+    return [k for k in rows if k.key_prefix.startswith(key_prefix) or key_prefix.startswith(k.key_prefix)]

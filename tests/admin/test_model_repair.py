@@ -101,10 +101,14 @@ def test_reset_makes_a_named_checkpoint_the_models_state(tmp_path):
         server.embedded.executor.evict(tc.model_id)  # out of memory (its state written), then damaged
         damage_both(tmp_path, tc.model_id)
         assert "cannot be restored" in step(server, key, tc.model_id, 7)["error"]
+        # a running server would write over the reset with its next step: refused while it runs
+        assert "not reset: a Loraplex scheduler is running" in admin(
+            tmp_path, "models", "reset", tc.model_id, early, "--yes", ok=False)
 
-        admin(tmp_path, "models", "reset", tc.model_id, "tinker://nope/weights/x", "--yes", ok=False)
-        out = admin(tmp_path, "models", "reset", tc.model_id, early, "--yes")
-        assert f"its stored state is now {early}" in out
+    admin(tmp_path, "models", "reset", tc.model_id, "tinker://nope/weights/x", "--yes", ok=False)
+    out = admin(tmp_path, "models", "reset", tc.model_id, early, "--yes")
+    assert f"its stored state is now {early}" in out
+    with running_server(tmp_path, **SETTINGS) as server:
         # from the checkpoint (two rounds: seeds 0 and 1), without the pending gradient of seq_id 5
         with http_client(server, key) as http:
             r = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 8, sft_data(3)), headers=PROTOBUF)
