@@ -3,12 +3,15 @@
 Sync calls schedule coroutines on that loop and return futures; async twins await the same
 coroutines from the caller's loop. Transient failures (connection errors, 408, 429, 5xx) are
 retried with exponential backoff (tenacity), honouring Retry-After; the server dedupes a retried
-request by its (model, seq_id), so a retry never runs anything twice.
+request by its (model, seq_id), so a retry never runs anything twice. The first retry for each
+reason (a server it cannot reach, a status) is logged at once, as a warning of logger "loraplex":
+a wrong URL would otherwise look like a hang for the whole retry window.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -21,6 +24,7 @@ from loraplex.config import ClientConfig
 from loraplex.errors import APIConnectionError, status_error
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+log = logging.getLogger("loraplex")
 
 
 class _Retryable(Exception):
@@ -51,6 +55,7 @@ class Transport:
     def __init__(self, config: ClientConfig, *, timeout: float = 60.0, retry_seconds: float = 120.0) -> None:
         self.config = config
         self.retry_seconds = retry_seconds
+        self._told: set[str] = set()  # the retry reasons logged already (each once)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-sdk", daemon=True)
         self._thread.start()
@@ -71,6 +76,7 @@ class Transport:
             retry=retry_if_exception(lambda e: retry and isinstance(e, _Retryable)),
             wait=_wait(wait_exponential_jitter(multiplier=0.5, max=8.0, jitter=0.5)),
             stop=stop_after_delay(self.retry_seconds), reraise=True,
+            before_sleep=lambda state: self._tell(method, path, state.outcome.exception()),
         )
         try:
             async for attempt in retrying:
@@ -79,6 +85,16 @@ class Transport:
         except _Retryable as e:
             raise e.error from None
         raise AssertionError("unreachable")
+
+    def _tell(self, method: str, path: str, error: BaseException | None) -> None:
+        """Log the first retry for each reason: what is retried, why, and for how long at most."""
+        cause = getattr(error, "error", error)
+        reason = getattr(cause, "status_code", None) or type(cause).__name__
+        if reason in self._told:
+            return
+        self._told.add(reason)
+        log.warning("loraplex: %s %s failed (%s); retrying for up to %.0f s (later retries for this reason are "
+                    "not logged)", method, self.config.base_url + "/api/v1" + path, cause, self.retry_seconds)
 
     async def _once(self, method, path, json, content, headers) -> httpx.Response:
         try:

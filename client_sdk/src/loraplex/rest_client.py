@@ -1,4 +1,7 @@
-"""RestClient: training runs, checkpoints and samplers; checkpoint download as a PEFT folder."""
+"""RestClient: training runs, checkpoints and samplers; checkpoint download as a PEFT folder.
+
+The calls that tinker's RestClient answers with a future (listing runs and a user's checkpoints,
+publishing) answer with one here too, under tinker's names, so code written for either runs on both."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from loraplex.types import Checkpoint, TrainingRun
+from loraplex.futures import APIFuture
+from loraplex.types import Checkpoint, CheckpointsListResponse, TrainingRun, TrainingRunsResponse
 
 if TYPE_CHECKING:
     from loraplex.service_client import ServiceClient
@@ -29,9 +33,20 @@ class RestClient:
     def __init__(self, service: "ServiceClient") -> None:
         self.service = service
 
-    def list_training_runs(self, limit: int = 20, offset: int = 0) -> list[TrainingRun]:
-        runs = self.service.call("GET", f"/training_runs?limit={limit}&offset={offset}")["training_runs"]
-        return [TrainingRun.from_json(r) for r in runs]
+    def _future(self, method: str, path: str, convert, description: str) -> APIFuture:
+        async def call():
+            return convert(await self.service._call(method, path))
+        return APIFuture(self.service.transport, call(), description)
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture[TrainingRunsResponse]:
+        """The tenant's runs, newest first: a future (`.result()`, or await it), as tinker's."""
+        return self._future("GET", f"/training_runs?limit={limit}&offset={offset}", lambda r: TrainingRunsResponse(
+            [TrainingRun.from_json(run) for run in r["training_runs"]], r.get("cursor")), "list_training_runs")
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
+        """Every checkpoint of the tenant's runs: a future, as tinker's."""
+        return self._future("GET", f"/checkpoints?limit={limit}&offset={offset}", lambda r: CheckpointsListResponse(
+            [Checkpoint.from_json(c) for c in r["checkpoints"]], r.get("cursor")), "list_user_checkpoints")
 
     def get_training_run(self, run_id: str) -> TrainingRun:
         return TrainingRun.from_json(self.service.call("GET", f"/training_runs/{run_id}"))
@@ -44,13 +59,16 @@ class RestClient:
         run, checkpoint = _split(tinker_path)
         self.service.call("DELETE", f"/training_runs/{run}/checkpoints/{checkpoint}")
 
-    def publish_checkpoint(self, tinker_path: str) -> None:
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Make the checkpoint readable by other tenants: a future, as tinker's."""
         run, checkpoint = _split(tinker_path)
-        self.service.call("POST", f"/training_runs/{run}/checkpoints/{checkpoint}/publish")
+        return self._future("POST", f"/training_runs/{run}/checkpoints/{checkpoint}/publish", lambda r: None,
+                            f"publish {tinker_path}")
 
-    def unpublish_checkpoint(self, tinker_path: str) -> None:
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         run, checkpoint = _split(tinker_path)
-        self.service.call("DELETE", f"/training_runs/{run}/checkpoints/{checkpoint}/publish")
+        return self._future("DELETE", f"/training_runs/{run}/checkpoints/{checkpoint}/publish", lambda r: None,
+                            f"unpublish {tinker_path}")
 
     def set_checkpoint_ttl(self, tinker_path: str, ttl_seconds: int | None) -> None:
         run, checkpoint = _split(tinker_path)
@@ -93,6 +111,17 @@ def _async_twin(name: str):
     return twin
 
 
-for _name in ("list_training_runs", "get_training_run", "list_checkpoints", "delete_checkpoint", "publish_checkpoint",
-              "unpublish_checkpoint", "set_checkpoint_ttl", "get_sampler", "download_checkpoint"):
+def _async_result(name: str):
+    async def twin(self, *args, **kwargs):
+        return await getattr(self, name)(*args, **kwargs)  # an APIFuture is awaitable
+    twin.__name__ = twin.__qualname__ = f"{name}_async"
+    twin.__doc__ = f"`{name}`, awaited: its result."
+    return twin
+
+
+for _name in ("get_training_run", "list_checkpoints", "delete_checkpoint", "set_checkpoint_ttl", "get_sampler",
+              "download_checkpoint"):
     setattr(RestClient, f"{_name}_async", _async_twin(_name))
+for _name in ("list_training_runs", "list_user_checkpoints", "publish_checkpoint_from_tinker_path",
+              "unpublish_checkpoint_from_tinker_path"):
+    setattr(RestClient, f"{_name}_async", _async_result(_name))

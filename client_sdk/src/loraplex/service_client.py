@@ -18,12 +18,14 @@ from loraplex.types import DEFAULT_LORA_RANK
 
 class ServiceClient:
     """`ServiceClient(base_url=None, api_key=None)`: arguments, else LORAPLEX_BASE_URL /
-    LORAPLEX_API_KEY, else ~/.config/loraplex/config.toml."""
+    LORAPLEX_API_KEY, else ~/.config/loraplex/config.toml. `retry_seconds`: how long a call is retried
+    while the server is unreachable or answers 408, 429 or 5xx (the first retry is logged at once)."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *,
-                 user_metadata: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+                 user_metadata: dict[str, str] | None = None, timeout: float = 60.0,
+                 retry_seconds: float = 120.0) -> None:
         self.config = ClientConfig.resolve(base_url, api_key)
-        self.transport = Transport(self.config, timeout=timeout)
+        self.transport = Transport(self.config, timeout=timeout, retry_seconds=retry_seconds)
         body = {"tags": [], "user_metadata": user_metadata or {}, "sdk_version": f"loraplex-{__version__}",
                 "type": "create_session"}
         self.session_id: str = self.call("POST", "/create_session", body)["session_id"]

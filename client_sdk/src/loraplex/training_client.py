@@ -150,6 +150,10 @@ class TrainingClient:
                                     "snapshot for sampling").result()
         return SamplingClient(self.service, result["sampling_session_id"], self.base_model)
 
+    def create_sampling_client(self, model_path: str) -> "SamplingClient":
+        """A sampler of saved weights (tinker://.../sampler_weights/...), as tinker's TrainingClient has it."""
+        return self.service.create_sampling_client(model_path=model_path)
+
     def get_info(self) -> dict:
         return self.service.call("POST", "/get_info", {"model_id": self.model_id, "type": "get_info"})
 
@@ -201,6 +205,11 @@ class TrainingClient:
         import asyncio
 
         return await asyncio.to_thread(self.log_metrics, metrics, step)
+
+    async def create_sampling_client_async(self, model_path: str) -> "SamplingClient":
+        import asyncio
+
+        return await asyncio.to_thread(self.create_sampling_client, model_path)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> "SamplingClient":
         import asyncio

@@ -243,3 +243,19 @@ class TrainingRun:
             if known.get(name):
                 known[name] = Checkpoint.from_json(known[name])
         return cls(**known)
+
+
+@dataclass(frozen=True)
+class TrainingRunsResponse:
+    """A page of `RestClient.list_training_runs` (tinker's shape): the runs and the server's cursor."""
+
+    training_runs: list[TrainingRun]
+    cursor: dict | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointsListResponse:
+    """A page of `RestClient.list_user_checkpoints` (tinker's shape)."""
+
+    checkpoints: list[Checkpoint]
+    cursor: dict | None = None
