@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -23,6 +22,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from models.registry import resolve_model
+from tests.waiting import wait_until
 
 WEBDAV_SERVER = "import sys; from wsgidav.server.server_cli import run; sys.argv[0] = 'wsgidav'; sys.exit(run())"
 
@@ -57,14 +57,16 @@ def webdav_store(tmp_path_factory):
     server = subprocess.Popen([sys.executable, "-c", WEBDAV_SERVER, "--host", "127.0.0.1", "--port", str(port),
                                "--root", str(root), "--auth", "anonymous", "-q"])
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        assert server.poll() is None and time.monotonic() < deadline, "the WebDAV server did not start"
+
+    def answers() -> bool:
+        assert server.poll() is None, "the WebDAV server exited"
         try:
             httpx.request("PROPFIND", base_url, headers={"Depth": "0"}, timeout=1)
-            break
+            return True
         except httpx.TransportError:
-            time.sleep(0.1)
+            return False
+
+    wait_until(answers, "the WebDAV server to answer", timeout=60, interval=0.1)
     os.environ["FSSPEC_WEBDAV_BASE_URL"] = base_url
     fsspec.config.conf.setdefault("webdav", {})["base_url"] = base_url
     yield lambda: f"webdav://loraplex-{uuid.uuid4().hex[:8]}"

@@ -3,7 +3,6 @@ the exact status, the limit named, and nothing changed by a refused request."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
@@ -16,8 +15,9 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from tests.admin.cli import admin_cli, printed_key
-from db.models import Request
+from db.models import Checkpoint, Request, utcnow
 from tests.servers import running_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler (sampling quotas)
 
@@ -45,6 +45,13 @@ def request_count(server) -> int:
     """Requests accepted to run (a refused one is recorded only to free its seq_id: kind 'rejected')."""
     with server.embedded.sessions() as s:
         return s.scalar(sa.select(sa.func.count()).select_from(Request).where(Request.kind != "rejected"))
+
+
+def expired(server, tinker_path: str) -> bool:
+    """Whether the checkpoint's TTL has run out, as prune-expired tells (scheduler/janitor.py)."""
+    with server.embedded.sessions() as s:
+        return s.scalar(sa.select(sa.func.count()).select_from(Checkpoint)
+                        .where(Checkpoint.tinker_path == tinker_path, Checkpoint.expires_at <= utcnow())) == 1
 
 
 def datum(n: int) -> types.Datum:
@@ -150,7 +157,7 @@ def test_checkpoint_commands(server, admin, tmp_path, tiny_model_path):
         assert (Path(dest) / "adapter_config.json").is_file()
         PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), dest)
 
-    time.sleep(1.2)
+    wait_until(lambda: expired(server, short), f"{short} to pass its expiry", timeout=60)
     assert "1 expired checkpoints and 0 ephemeral snapshots deleted" in admin("checkpoints", "prune-expired")
     listing = admin("checkpoints", "list", "--tenant", "gina")
     assert short not in listing and keep in listing

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from admin.cli import app
 from db.models import Tenant
 from storage.live_slots import read_slots
-from tests.scheduler.test_live_state_integrity import corrupt
+from tests.workers.trainer.test_live_state_integrity import corrupt
 from tests.scheduler.test_live_state_recovery import SETTINGS, train
 from tests.servers import running_server
 from tests.service.test_scheduling import (

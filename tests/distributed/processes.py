@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import redis
 
 from contract.redis_keys import sampler_key, worker_key
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,12 +27,13 @@ def _wait_registered(process: subprocess.Popen, redis_url: str, key: str, second
     """Wait until the worker registered itself; one that does not is killed, so that it cannot take
     later tests' tasks from its queue."""
     client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + seconds
+
+    def registered() -> bool:
+        assert process.poll() is None, f"the process registering {key} exited"
+        return client.get(key) is not None
+
     try:
-        while client.get(key) is None:
-            assert process.poll() is None, f"the process registering {key} exited"
-            assert time.monotonic() < deadline, f"nothing registered {key}"
-            time.sleep(0.1)
+        wait_until(registered, f"something to register {key}", timeout=seconds, interval=0.1)
     except BaseException:
         process.kill()
         process.wait()
@@ -77,16 +78,14 @@ def stop_all(processes) -> None:
 
 
 def wait_healthy(process: subprocess.Popen, base_url: str, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
+    def healthy() -> bool:
         assert process.poll() is None, "the API exited"
-        assert time.monotonic() < deadline, "the API did not answer"
         try:
-            if httpx.get(f"{base_url}/api/v1/healthz", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{base_url}/api/v1/healthz", timeout=2).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+            return False
+
+    wait_until(healthy, "the API to answer", timeout=seconds, interval=0.2)
 
 
 def create_tenant_key(database_url: str, name: str) -> str:
@@ -104,14 +103,15 @@ def create_tenant_key(database_url: str, name: str) -> str:
 
 def wait_for(post, request_id: str, seconds: float = 120) -> bytes:
     """Long-poll a request until it finished; its result body (failing on an error)."""
-    deadline = time.monotonic() + seconds
-    while True:
-        assert time.monotonic() < deadline, f"{request_id} did not finish"
+
+    def result() -> list[bytes]:  # in a list: an empty body is a result too
         response = post("retrieve_future", json={"request_id": request_id})
         assert response.status_code == 200, response.text
         if response.headers["content-type"].startswith("application/json"):
             body = response.json()
             assert "error" not in body, body
             if body.get("type") == "try_again":
-                continue
-        return response.content
+                return []
+        return [response.content]
+
+    return wait_until(result, f"{request_id} to finish", timeout=seconds, interval=0)[0]

@@ -4,8 +4,9 @@ cycle fails clearly while acknowledged work survives on the other worker."""
 
 from __future__ import annotations
 
+import os
 import signal
-import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,9 +24,16 @@ from service.settings import Settings
 from tests.distributed.processes import start_worker, wait_for
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
+from tests.waiting import wait_until
 from workers.trainer.engine import TrainerEngine
 
 REDIS_URL = "redis://127.0.0.1:6379/7"
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system, all threads) a live process has spent so far (Linux: /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +98,14 @@ def test_a_killed_worker_fails_its_cycle_and_training_continues_on_the_next(clus
     big = [datum([i] + list(range(5, 500))) for i in range(48)]
     doomed = tc.forward_backward(big, "cross_entropy")
     client = redis.Redis.from_url(REDIS_URL)
-    deadline = time.monotonic() + 60
-    while not any(client.scan_iter("loraplex:cycle:*")):  # the cycle is on its way to the worker
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.3)  # and running there
+    wait_until(lambda: any(client.scan_iter("loraplex:cycle:*")),  # the cycle is on its way to the worker
+               "the cycle to be sent to a worker", timeout=60, interval=0.01)
     victim = server.embedded.executor.placement()[tc.model_id]
+    pid, before = cluster["workers"][victim].pid, cpu_seconds(cluster["workers"][victim].pid)
+    # and running there: the victim took it off its queue and computes (an idle worker spends next to no CPU)
+    wait_until(lambda: client.llen(f"trainer.{victim}") == 0 and cpu_seconds(pid) - before >= 0.3,
+               lambda: f"{victim} to run the cycle ({cpu_seconds(pid) - before:.2f} CPU s since it was sent)",
+               timeout=120, interval=0.01)
     cluster["workers"][victim].send_signal(signal.SIGKILL)
     cluster["workers"][victim].wait()
     with pytest.raises(Exception, match="worker lost"):

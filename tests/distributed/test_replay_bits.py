@@ -9,7 +9,6 @@ stopped."""
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import redis
@@ -23,6 +22,7 @@ from tests.distributed.processes import start_worker
 from tests.servers import metric
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.service.test_replay_bits import assert_same_bits, train_beside_a_neighbour, trained_alone
+from tests.waiting import wait_until
 from workers.trainer.engine import TrainerEngine
 
 pytestmark = pytest.mark.slow  # two Celery worker processes start, one after the other
@@ -50,10 +50,8 @@ def test_a_replayed_worker_ends_on_the_bits_of_a_model_trained_alone(tmp_path, t
             workers[0].send_signal(signal.SIGKILL)
             workers[0].wait()
             workers.append(start_worker("w2", tmp_path, REDIS_URL, **EVERY_STEP))
-            deadline = time.monotonic() + 30
-            while client.get(worker_key("w1")) is not None:  # its registration expires: w1 is dead
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            wait_until(lambda: client.get(worker_key("w1")) is None,  # its registration expires: w1 is dead
+                       "w1's registration to expire", timeout=60, interval=0.1)
 
         train_beside_a_neighbour(tc, neighbour, STEPS, KILL_AFTER, kill_the_worker)
         assert server.embedded.executor.placement()[tc.model_id] == "w2"

@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -23,6 +22,7 @@ from tests.distributed.processes import (
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
+from tests.waiting import wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/11"
 
@@ -56,11 +56,11 @@ def paused_scheduler(env: dict[str, str], seq_id: int, paused_file) -> subproces
 
 
 def kill_when_paused(process: subprocess.Popen, paused_file, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while not paused_file.exists():
+    def paused() -> bool:
         assert process.poll() is None, "the scheduler exited"
-        assert time.monotonic() < deadline, "the scheduler never reached the commit"
-        time.sleep(0.05)
+        return paused_file.exists()
+
+    wait_until(paused, "the scheduler to reach the commit", timeout=seconds)
     process.send_signal(signal.SIGKILL)  # the worker ran the cycle; the database never heard of it
     process.wait()
 

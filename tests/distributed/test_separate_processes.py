@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
-import time
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -35,9 +35,21 @@ from tests.distributed.processes import (
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
+from tests.waiting import wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/6"
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a server can listen on `port` again (with SO_REUSEADDR, as uvicorn binds)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +118,9 @@ def test_a_killed_sampler_workers_samples_finish_on_another(deployment):
     long = types.SamplingParams(max_tokens=1500, temperature=1.0, seed=7, stop=[])
     future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 4, long)
     client = redis.Redis.from_url(REDIS_URL)
-    deadline = time.monotonic() + 60
-    while True:  # the worker sampling it reports it in flight in its heartbeat
-        busy = [name for name in ("s1", "s2") if json.loads(client.get(sampler_key(name)) or "{}").get("pending")]
-        if busy:
-            break
-        assert time.monotonic() < deadline, "no sampler worker took the job"
-        time.sleep(0.05)
+    busy = wait_until(  # the worker sampling it reports it in flight in its heartbeat
+        lambda: [name for name in ("s1", "s2") if json.loads(client.get(sampler_key(name)) or "{}").get("pending")],
+        "a sampler worker to take the job", timeout=60)
     victim = deployment["processes"][busy[0]]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
@@ -150,7 +158,7 @@ def test_restarted_api_and_scheduler_lose_no_accepted_request(deployment, tiny_m
              fwd_bwd(4, forward_only=True)]
     processes["api"].kill()
     processes["api"].wait()
-    time.sleep(0.5)
+    wait_until(lambda: port_is_free(deployment["port"]), "the killed API's port to be free for the new one", timeout=60)
     processes["scheduler"] = start_service("scheduler", env)
     processes["api"] = start_service("api", env, "--port", str(deployment["port"]))
     wait_healthy(processes["api"], deployment["base_url"])

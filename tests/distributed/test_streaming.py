@@ -5,7 +5,6 @@ them; the chunks add up to the stored turn; a client that leaves stops the sampl
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import loraplex
@@ -28,6 +27,7 @@ from tests.distributed.processes import (
     wait_healthy,
 )
 from tests.service.conftest import drop_postgres_database, postgres_database
+from tests.waiting import wait_until
 from workers.sampler.engine import CANCELLED
 
 pytestmark = pytest.mark.vllm
@@ -69,9 +69,8 @@ def test_a_stream_comes_token_by_token_from_the_worker_and_a_gone_client_stops_i
                       headers={"Authorization": f"Bearer {key}"}) as response:
         assert response.status_code == 200
         next(response.iter_lines())  # the first event, then the client goes away
-    deadline = time.monotonic() + 30
-    while (outcome := cancelled_sample(deployment["database_url"])) is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    outcome = wait_until(lambda: cancelled_sample(deployment["database_url"]), "the 1500-token sample to finish",
+                         timeout=60, interval=0.2)
     assert outcome == (RequestState.FAILED, CANCELLED)  # stopped on the worker, not 1500 tokens later
     workers = redis.Redis.from_url(REDIS_URL)
     assert json.loads(workers.get(sampler_key("s1")))["ready"]  # and the worker serves on

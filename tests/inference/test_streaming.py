@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ from contract.sampling import SampleDelta
 from db.models import Request as RequestRow
 from db.models import RequestState
 from messaging.notify import Finished, Notifier
+from tests.waiting import wait_until
 from workers.sampler.engine import CANCELLED
 
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
@@ -130,9 +130,8 @@ def test_a_client_that_leaves_mid_stream_stops_its_sample(client, server, api_ke
                       headers={"Authorization": f"Bearer {api_key}", "X-Loraplex-Session": "gone"}) as response:
         assert response.status_code == 200
         next(response.iter_lines())  # one event, then the client goes away
-    deadline = time.monotonic() + 20
-    while engine.pending and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: engine.pending == 0, lambda: f"the engine to abort the sample ({engine.pending} pending)",
+               timeout=60)
     assert engine.pending == 0  # aborted: not 1500 tokens later
     with server.embedded.sessions() as db:
         [row] = [row for row in db.query(RequestRow).filter(RequestRow.state == RequestState.FAILED)

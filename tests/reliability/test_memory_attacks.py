@@ -52,11 +52,19 @@ def server(tmp_path_factory):
 
 
 def settled_rss(server) -> int:
-    """RSS once a few ordinary requests have been served (connections and caches warmed up)."""
+    """RSS once a few ordinary requests have been served (connections and caches warmed up) and it
+    stopped moving: five readings 0.1 s apart within 1 MB of each other."""
     for _ in range(5):
         httpx.get(f"{server.base_url}/api/v1/sessions", headers={"X-API-Key": server.key}, timeout=10)
-    time.sleep(0.5)
-    return rss_bytes(server.process.pid)
+    readings: list[int] = []
+
+    def steady() -> int:
+        readings.append(rss_bytes(server.process.pid))
+        recent = readings[-5:]
+        return recent[-1] if len(recent) == 5 and max(recent) - min(recent) < MB else 0
+
+    return wait_until(steady, lambda: f"the server's RSS to settle (last readings, MB: "
+                      f"{[round(r / MB) for r in readings[-5:]]})", timeout=60, interval=0.1)
 
 
 def bystander_is_served(server) -> float:

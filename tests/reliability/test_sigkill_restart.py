@@ -28,6 +28,7 @@ from service.embedded import free_port
 from tests.reliability.client import PROTOBUF, TOKENS, forward_backward_body
 from tests.reliability.processes import start_serve, stop, tenant_key
 from tests.uninterrupted import logprobs_after_steps
+from tests.waiting import wait_until
 
 STEPS, LR, RANK, MODEL_SEED = 8, 1e-2, 4, 5
 SEED = 29
@@ -44,13 +45,13 @@ class PatientClient:
         self.http = httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": key}, timeout=30)
 
     def call(self, route: str, **kw) -> httpx.Response:
-        deadline = time.monotonic() + PATIENCE
-        while True:
+        def answer() -> list[httpx.Response]:  # in a list: a Response has no truth value of its own
             try:
-                return self.http.post(route, **kw)
+                return [self.http.post(route, **kw)]
             except httpx.TransportError:
-                assert time.monotonic() < deadline, f"{route}: the server did not come back"
-                time.sleep(0.2)
+                return []
+
+        return wait_until(answer, f"{route}: the server to come back", timeout=PATIENCE, interval=0.2)[0]
 
     def submit(self, route: str, **kw) -> dict:
         response = self.call(route, **kw)
@@ -110,10 +111,10 @@ def test_a_killed_server_loses_nothing_acknowledged_and_applies_nothing_twice(tr
         kill_after, delay = rng.choice(kill_range), rng.uniform(0.0, 0.05)
         with ThreadPoolExecutor(1) as pool:
             run = pool.submit(training_run, client, acked)
-            deadline = time.monotonic() + 60
-            while len(acked) < kill_after and not run.done() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            time.sleep(delay)
+            # polled every millisecond: the kill falls `delay` after that acknowledgement, not later
+            wait_until(lambda: len(acked) >= kill_after or run.done(),
+                       lambda: f"{kill_after} acknowledged requests (so far {len(acked)})", timeout=PATIENCE, interval=0.001)
+            time.sleep(delay)  # a random point between two acknowledgements: it passes time on purpose
             where = f"killed after {len(acked)} of {REQUESTS} acknowledged requests (+{delay * 1000:.0f} ms)"
             server.send_signal(signal.SIGKILL)
             server.wait()

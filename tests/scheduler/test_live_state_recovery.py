@@ -12,7 +12,7 @@ import tinker
 from tinker import types
 
 from storage.live_slots import read_slots
-from tests.scheduler.test_live_state_integrity import corrupt
+from tests.workers.trainer.test_live_state_integrity import corrupt
 from tests.servers import running_server
 from tests.service.test_scheduling import assert_same_as_uninterrupted, http_client, sft_data, wait_result
 

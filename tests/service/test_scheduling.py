@@ -17,6 +17,7 @@ from contract.queue import QueuedRequest
 from db.models import Request, RequestState, TrainingModel
 from service.embedded import ServerThread, free_port
 from tests.servers import metric
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # two servers (SQLite; Postgres with the engine in a child process), restarts
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -40,12 +41,12 @@ def proto_body(model_id: str, seq_id: int, data: list[types.Datum], loss_fn: str
 
 
 def wait_result(http: httpx.Client, request_id: str, timeout: float = 120) -> httpx.Response:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def finished() -> list[httpx.Response]:  # in a list: a Response has no truth value of its own
         r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
-        if r.headers["content-type"].startswith("application/x-protobuf") or "try_again" not in r.text:
-            return r
-    raise AssertionError(f"request {request_id} did not finish within {timeout} s")
+        return [r] if r.headers["content-type"].startswith("application/x-protobuf") or "try_again" not in r.text else []
+
+    return wait_until(finished, f"request {request_id} to finish", timeout=timeout)[0]
 
 
 def http_client(server, key: str) -> httpx.Client:
@@ -160,13 +161,14 @@ def test_a_request_failing_inside_a_shared_batch_fails_alone(server):
         for row in rows:
             server.embedded.scheduler.submit(QueuedRequest(row.id, tenant_id, row.model_id, 1, row.kind, 30))
         ids = [row.id for row in rows]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def both_finished() -> tuple[Request, Request] | None:
         with server.embedded.sessions() as s:
             good, bad = (s.get(Request, i) for i in ids)
-            if good.state != RequestState.PENDING and bad.state != RequestState.PENDING and good.finished_at and bad.finished_at:
-                break
-        time.sleep(0.05)
+            done = all(r.state != RequestState.PENDING and r.finished_at for r in (good, bad))
+            return (good, bad) if done else None
+
+    good, bad = wait_until(both_finished, "both requests to finish", timeout=60)
     assert any(set(ids) <= set(cycle) for cycle in server.embedded.scheduler.cycle_log.cycles)
     assert good.state == RequestState.DONE
     assert bad.state == RequestState.FAILED and bad.error["category"] == "user"

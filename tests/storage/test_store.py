@@ -10,7 +10,7 @@ from contract.configs import LoraConfig
 from contract.inputs import EngineDatum, ForwardBackwardInput
 from storage import store
 from storage.checkpoint_files import read_manifest
-from tests.scheduler.test_eviction import run
+from tests.workers.trainer.test_eviction import run
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 

@@ -5,11 +5,11 @@ due, and every unwritten state on close. What is written is the state as of the 
 from __future__ import annotations
 
 import json
-import time
 
 from contract.queue import Cycle
 from storage.checkpoint_files import read_manifest
-from tests.scheduler.test_eviction import forward_backward, request
+from tests.waiting import wait_until
+from tests.workers.trainer.test_eviction import forward_backward, request
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 
@@ -50,9 +50,8 @@ def test_a_faster_model_is_written_once_per_interval_then_by_the_timer(tiny_mode
     train_step(executor, "c", 1)
     train_step(executor, "c", 3)
     assert written(executor, "c") == (0, 0)  # within create_model's interval: not yet
-    deadline = time.monotonic() + 30
-    while written(executor, "c") != (4, 2) and time.monotonic() < deadline:  # the timer writes the newest state
-        time.sleep(0.05)
+    wait_until(lambda: written(executor, "c") == (4, 2),  # the timer writes the newest state
+               lambda: f"the timer to write seq_id 4 (written: {written(executor, 'c')})", timeout=60)
     assert written(executor, "c") == (4, 2)
     executor.close()
 

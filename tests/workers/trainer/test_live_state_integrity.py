@@ -15,8 +15,8 @@ import pytest
 from contract.queue import Cycle
 from storage.checkpoint_files import verify_training_state
 from storage.live_slots import read_slots
-from tests.scheduler.test_eviction import forward_backward, request
-from tests.scheduler.test_live_state import create, train_step
+from tests.workers.trainer.test_eviction import forward_backward, request
+from tests.workers.trainer.test_live_state import create, train_step
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 
