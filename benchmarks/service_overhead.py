@@ -45,14 +45,18 @@ from tests.servers import metric
 from workers.trainer.engine import TrainerEngine
 
 try:
-    from loraplex.types import AdamParams
-
     from contract.configs import LoraConfig
-    from contract.inputs import EngineDatum, ForwardBackwardInput
+    from loraplex.types import AdamParams
 except ModuleNotFoundError:  # the layout before the torch-free contract (c980d9e), for --before
     from workers.trainer.adapters import AdamParams, LoraConfig
-    from workers.trainer.batch import Datum as EngineDatum
-    from workers.trainer.batch import ForwardBackwardInput
+try:
+    from contract.inputs import EngineDatum, ForwardBackwardInput
+except ModuleNotFoundError:  # for --before: the trainer's inputs before contract/ held them (d4c7dc5), or c980d9e's
+    try:
+        from workers.trainer.inputs import EngineDatum, ForwardBackwardInput
+    except ModuleNotFoundError:
+        from workers.trainer.batch import Datum as EngineDatum
+        from workers.trainer.batch import ForwardBackwardInput
 
 RESULTS = Path(__file__).parent / "results" / "service_overhead.md"
 BEFORE_RESULTS = Path(__file__).parent / "results" / "service_overhead_before.md"
