@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER_PACKAGES = ("admin", "api", "contract", "db", "migrations", "scheduler", "service", "workers")
 # The environment read or written outside Settings, each for a reason of its own:
 ENVIRONMENT_USERS = {
+    "admin/cli.py",  # huggingface_hub's own progress-bar variable, set before it loads
+    "workers/__init__.py",  # MKL's own reproducibility variable, set before its first call
     "service/openmp.py",  # libgomp's own variables, set before torch loads
     "workers/host_memory.py",  # glibc's own MALLOC_* variables: the user tuned malloc already
     "workers/sampler/engine.py",  # vLLM's variables, and the LoRA ops for the plugin below

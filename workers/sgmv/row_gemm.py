@@ -11,7 +11,10 @@ test_batch_invariance.py probes them):
 - a width of 1: an output (or reduction) of one column is a gemv whose blocking follows M.
   `rank_width` pads a rank-1 adapter's products to 2 columns (a zero row of A, zero column of B).
 So a product over fewer than `min_rows()` rows is computed on rows padded with zeros, and its
-real rows kept.
+real rows kept. On CPUs where MKL's default path also splits the reduction by M (AMX machines:
+workers/__init__.py), its strict reproducibility mode, which the package switches on, gives every
+row count the same bits; the padding stays for the machines measured above and a user's own
+MKL_CBWR.
 """
 
 from __future__ import annotations
