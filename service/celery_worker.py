@@ -16,7 +16,9 @@ gradients twice); the scheduler fails it instead.
 from __future__ import annotations
 
 import pickle
+from dataclasses import asdict
 
+import prometheus_client
 from celery import signals
 
 from contract.redis_keys import EVICT_TASK, RESULT_TTL_SECONDS, TASK, cycle_done_key, cycle_outcomes_key, worker_key
@@ -32,6 +34,7 @@ def _start(sender=None, **_) -> None:
     """Load the engine once, register, and start the heartbeat."""
     from workers.trainer.engine import TrainerEngine
     from workers.trainer.executor import InProcessExecutor
+    from workers.trainer.residency import memory_budget, publish
 
     settings: Settings = _state["settings"]
     info = settings.served_model()
@@ -41,12 +44,18 @@ def _start(sender=None, **_) -> None:
                                  settings.max_resident_adapters, settings.state_write_interval_seconds,
                                  # this worker outlives the scheduler: a cycle it ran whose outcomes the scheduler
                                  # died before committing comes again, and must not apply gradients or a step twice
-                                 answer_resent=True)
+                                 answer_resent=True,
+                                 memory_budget=memory_budget(settings.trainer_memory_budget,
+                                                             settings.trainer_memory_fraction, engine.device))
     _state["executor"] = executor
     # "splitting": models halfway through a request run in parts here, which must not move away
     register_worker(_state["client"], sender, worker_key, info.name,
-                    lambda: {"adapters": sorted(executor.engine.adapters), "splitting": sorted(executor.splitting())},
+                    lambda: {"adapters": sorted(executor.engine.adapters), "splitting": sorted(executor.splitting()),
+                             "residency": asdict(executor.residency_stats())},
                     settings.worker_id)
+    if settings.metrics_port:  # its residency (workers/trainer/residency.py); also in the heartbeat above
+        publish(executor.residency_stats)
+        prometheus_client.start_http_server(settings.metrics_port)
 
 
 @signals.worker_shutdown.connect

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -33,6 +34,7 @@ from service.settings import Settings
 from storage import store
 from workers.compute_thread import ComputeThread, run_on
 from workers.sampler.engine import SamplerConfig, SamplerEngine
+from workers.trainer import residency
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 from workers.trainer.process_executor import ProcessExecutor
@@ -47,6 +49,7 @@ class EmbeddedServer:
     sampling: SamplingDispatcher | None = None
     compute: ComputeThread | None = None  # the trainer's and the sampler's torch work, taking turns
     janitor: Janitor | None = None
+    unpublish_residency: Callable[[], None] | None = None  # an engine here: its residency is at /metrics
 
     def start(self) -> None:
         self.scheduler.start()
@@ -63,6 +66,8 @@ class EmbeddedServer:
         if self.sampling is not None:
             self.sampling.close()
         self.executor.close()  # (an in-process one finishes writing durable states)
+        if self.unpublish_residency is not None:
+            self.unpublish_residency()
         if self.compute is not None:
             self.compute.close()
 
@@ -96,6 +101,7 @@ def build(settings: Settings) -> EmbeddedServer:
         executor = CeleryExecutor(settings.redis_url, info.name, live_dir)
     elif settings.engine_process:
         executor = ProcessExecutor(info.path, settings.max_lora_rank, live_dir, max_resident=settings.max_resident_adapters,
+                                   memory_budget=(settings.trainer_memory_budget, settings.trainer_memory_fraction),
                                    state_write_interval=settings.state_write_interval_seconds,
                                    min_shared_prefix=settings.trainer_min_shared_prefix,
                                    keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)
@@ -105,7 +111,10 @@ def build(settings: Settings) -> EmbeddedServer:
                                                        keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults),
                         work="trainer")
         executor = InProcessExecutor(engine, live_dir, settings.max_resident_adapters,
-                                     settings.state_write_interval_seconds, compute)
+                                     settings.state_write_interval_seconds, compute,
+                                     memory_budget=residency.memory_budget(settings.trainer_memory_budget,
+                                                                           settings.trainer_memory_fraction,
+                                                                           engine.device))
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds, settings.seq_gap_seconds,
@@ -114,7 +123,8 @@ def build(settings: Settings) -> EmbeddedServer:
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=notifier,
                      model_info=info, sampling_dispatcher=sampling, sampling_unavailable=unavailable)
     janitor = Janitor(sessions, settings.ephemeral_snapshot_grace_seconds)
-    return EmbeddedServer(app, scheduler, executor, sessions, sampling, compute, janitor)
+    unpublish = None if settings.executor == "celery" else residency.publish(executor.residency_stats)
+    return EmbeddedServer(app, scheduler, executor, sessions, sampling, compute, janitor, unpublish)
 
 
 def ensure_default_tenant(sessions) -> str | None:

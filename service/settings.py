@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ByteSize, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models import registry
@@ -45,8 +45,15 @@ class Settings(BaseSettings):
     # --- training ---------------------------------------------------------------------------------
     max_lora_rank: int = Field(64, description="the largest LoRA rank a training run may ask for (the sampler's vLLM "
                                "engine is sized for it)")
-    max_resident_adapters: int = Field(0, description="adapters a trainer keeps in memory (0: no limit); "
-                                       "the least recently used are written to the data dir and reloaded on use")
+    trainer_memory_budget: ByteSize | None = Field(
+        None, description="bytes of training state (adapters, gradients, AdamW moments) a trainer keeps in memory, "
+        "e.g. 8GiB; the least recently used runs are paged out to the store and back in on use, bitwise "
+        "(unset: trainer_memory_fraction of the device's memory; docs/memory.md)")
+    trainer_memory_fraction: float = Field(
+        0.4, ge=0, le=1, description="unless trainer_memory_budget is set: the budget as a fraction of the memory "
+        "adapters live in (the GPU's; the machine's RAM on CPU) (0: no limit)")
+    max_resident_adapters: int = Field(0, description="besides the byte budget, at most this many runs in a "
+                                       "trainer's memory (0: no limit)")
     engine_process: bool = Field(False, description="embedded mode: the trainer engine in a child process (its own GIL), "
                                  "so the API stays responsive while it computes")
     compute_thread: bool | None = Field(
@@ -81,7 +88,7 @@ class Settings(BaseSettings):
                                    "larger ones get 413 (api/request_guard.py)")
     long_poll_seconds: float = Field(30.0, description="retrieve_future holds a request this long before it answers "
                                      "try_again")
-    metrics_port: int = Field(0, description="the scheduler and sampler worker processes serve their Prometheus "
+    metrics_port: int = Field(0, description="the scheduler, sampler and trainer worker processes serve their Prometheus "
                               "metrics on this port (0: not served; the API process serves GET /metrics)")
 
     # --- distributed mode -------------------------------------------------------------------------

@@ -94,6 +94,12 @@ class Adapter:
             yield f"{path}.lora_A", w.lora_a
             yield f"{path}.lora_B", w.lora_b
 
+    @property
+    def resident_bytes(self) -> int:
+        """The memory this adapter's state holds: weights, gradients and (once stepped) AdamW's moments."""
+        tensors = [self.flat_weights, self.flat_grads, *self.adam_state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def has_gradients(self) -> bool:
         return self.gradients_pending
 

@@ -15,9 +15,10 @@ state that fails its integrity check is passed over for the previous one, and `p
 model so that the scheduler replays the requests after that one first; a model with no usable
 state left fails its requests alone, with a message saying what was found and what to do.
 
-Eviction (to make room, or to move the adapter to another worker) writes the adapter's full state,
-accumulated gradients included, marked with the last seq_id it ran, then drops it from memory:
-whoever loads it next continues exactly where it stopped, with nothing to replay.
+Eviction (paging out to stay within the memory budget, workers/trainer/residency.py; or moving the
+adapter to another worker) writes the adapter's full state, accumulated gradients included, marked
+with the last seq_id it ran, then drops it from memory: whoever loads it next continues exactly where
+it stopped, with nothing to replay.
 
 A request larger than a cycle comes in parts (`Job.part`, scheduler/planner.py): the executor
 validates it whole at its first part, runs each part with passes of its own, keeps the parts'
@@ -40,7 +41,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import OrderedDict
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,6 +60,7 @@ from workers.trainer.batch import EngineOutput
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.live_state import LiveStates
 from workers.trainer.parts import SplitRun
+from workers.trainer.residency import Residency, ResidencyStats
 from workers.trainer.run_metrics import forward_backward_metrics, optim_step_metrics
 
 log = logging.getLogger(__name__)
@@ -83,15 +85,17 @@ class InProcessExecutor:
 
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0,
                  state_write_interval: float = 0.0, compute: ComputeThread | None = None,
-                 answer_resent: bool = False) -> None:
-        """compute: the thread the engine's work runs on, shared with the sampler's steps, which it
+                 answer_resent: bool = False, memory_budget: int = 0) -> None:
+        """max_resident, memory_budget: the most runs, and bytes of their state, kept in memory (0: no
+        limit); the least recently used are paged out to `live_dir` (workers/trainer/residency.py).
+        compute: the thread the engine's work runs on, shared with the sampler's steps, which it
         lets in between passes (workers/compute_thread.py); None: the calling thread.
         answer_resent: answer a request of the model's last cycle, sent again, from its outcome instead of
         running it twice (for an engine that outlives the scheduler; an embedded engine restarts with it,
         and the scheduler's replay rebuilds what it held)."""
         self.engine = engine
-        self.max_resident = max_resident  # adapters kept in memory (0: no limit); the least recently used go
-        self._last_seq: OrderedDict[str, int] = OrderedDict()  # resident models, least recently used first
+        self.residency = Residency(memory_budget, max_resident)
+        self._last_seq: dict[str, int] = {}  # resident model -> the last seq_id it ran (none: nothing since loaded)
         # model -> its forward/forward_backward run here in parts (one at most: the model runs nothing
         # else meanwhile), kept once complete until the model's next request, for a resent part's answer
         self._splits: dict[str, SplitRun] = {}
@@ -144,9 +148,10 @@ class InProcessExecutor:
         must be replayed first: `place` has the scheduler do it), fails this cycle's requests alone:
         the cycle without them, and their outcomes."""
         unavailable: dict[str, Outcome] = {}
-        for model_id in sorted({q.model_id for q in cycle.all() if q.kind not in REPLACES_STATE}):
-            if model_id in self.engine.adapters:
-                continue
+        needed = {q.model_id for q in cycle.all() if q.kind not in REPLACES_STATE}
+        self._page_out(keep={q.model_id for q in cycle.all()}, incoming=needed - set(self.engine.adapters))
+        for model_id in sorted(needed - set(self.engine.adapters)):
+            started = time.perf_counter()
             try:
                 restored = self.live.restore(model_id)
             except LiveStateError as e:
@@ -164,25 +169,40 @@ class InProcessExecutor:
                     f"not run: the stored training state of model {model_id} was restored from an older copy "
                     f"(after seq_id {restored.seq}; {'; '.join(restored.problems) or 'the newer one was not found'}) "
                     f"and the requests after it must be replayed onto it first; send the request again", "server")
-        if self.max_resident:
-            model_ids = {q.model_id for q in cycle.all()}
-            # a model halfway through a request run in parts holds part of its gradient: it stays
-            idle = [m for m in self._last_seq if m not in model_ids and m not in self.splitting()]
-            for model_id in idle[: max(0, len(self.engine.adapters) - self.max_resident)]:
-                self._evict(model_id)  # (this cycle holds the lock, maybe on the compute thread)
+            else:
+                self.residency.paged_in(model_id, time.perf_counter() - started)
         if not unavailable:
             return cycle, {}
         kept = cycle.keeping(lambda q: q.model_id not in unavailable)
         return kept, {q.id: unavailable[q.model_id] for q in cycle.all() if q.model_id in unavailable}
+
+    def _page_out(self, keep: set[str], incoming: set[str] = frozenset()) -> None:
+        """Page out the least recently used runs until the resident ones and `incoming` fit the budget."""
+        if not self.residency.limited:
+            return
+        # a model halfway through a request run in parts holds part of its gradient: it stays
+        resident = {m: adapter.resident_bytes for m, adapter in self.engine.adapters.items()}
+        for model_id in self.residency.to_page_out(resident, keep | self.splitting(), incoming):
+            self._evict(model_id, paging=True)  # (this cycle holds the lock, maybe on the compute thread)
+
+    def residency_stats(self) -> ResidencyStats:
+        """What is resident and paged out, and the page-ins so far (for operators; from any thread)."""
+        adapters = list(self.engine.adapters.items())  # a copy: a cycle may add or drop one meanwhile
+        return self.residency.stats({m: a.resident_bytes for m, a in adapters})
 
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""
         with self._lock:
             run_on(self._compute, lambda: self._evict(model_id), work="trainer")
 
-    def _evict(self, model_id: str) -> None:
+    def _evict(self, model_id: str, paging: bool = False) -> None:
+        """paging: to make room (it comes back here); else it leaves this engine for another."""
         if model_id not in self.engine.adapters:
             return
+        if paging:
+            self.residency.paged_out(model_id, self.engine.adapters[model_id].resident_bytes)
+        else:
+            self.residency.forget(model_id)
         last_seq = self._last_seq.pop(model_id, None)
         if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
             self.live.persist(model_id, last_seq, with_gradients=True)
@@ -216,7 +236,8 @@ class InProcessExecutor:
         for request in cycle.all():  # requests of one model run in seq_id order; a part is not the request
             if request.model_id in self.engine.adapters and outcomes[request.id].progress is None:
                 self._last_seq[request.model_id] = max(self._last_seq.get(request.model_id, -1), request.seq_id)
-                self._last_seq.move_to_end(request.model_id)
+                self.residency.used(request.model_id)
+        self._page_out(keep={q.model_id for q in cycle.all()})  # runs first seen here now have their size
         if self.answer_resent:
             self._remember(cycle, jobs, outcomes, answered)
         outcomes.update(answered)

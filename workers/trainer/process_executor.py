@@ -19,19 +19,22 @@ from pathlib import Path
 from contract.queue import Cycle, Job, Outcome
 from storage import store
 from workers.trainer.executor import InProcessExecutor
+from workers.trainer.residency import ResidencyStats, memory_budget
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 log = logging.getLogger(__name__)
 
 
-def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, state_write_interval: float,
-           min_shared_prefix: int, keep_glibc_malloc_defaults: bool, store_cache: str) -> None:
+def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, budget: tuple[int | None, float],
+           state_write_interval: float, min_shared_prefix: int, keep_glibc_malloc_defaults: bool,
+           store_cache: str) -> None:
     from workers.trainer.engine import TrainerEngine
 
     store.use_cache_dir(store_cache)  # the parent's: a spawned child starts with the default
     engine = TrainerEngine(model_path, max_rank=max_rank, min_shared_prefix=min_shared_prefix,
                            keep_glibc_malloc_defaults=keep_glibc_malloc_defaults)
-    executor = InProcessExecutor(engine, live_dir, max_resident, state_write_interval)
+    executor = InProcessExecutor(engine, live_dir, max_resident, state_write_interval,
+                                 memory_budget=memory_budget(*budget, engine.device))
     conn.send(("ready", None))
     while True:
         try:
@@ -40,7 +43,8 @@ def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: in
             executor.close()
             return
         try:
-            conn.send(("ok", getattr(executor, method)(*args)))
+            # each answer brings the residency along: the parent's /metrics must not wait on a cycle for it
+            conn.send(("ok", getattr(executor, method)(*args), executor.residency_stats()))
         except Exception as e:  # report, keep serving
             log.exception("%s failed in the engine process", method)
             conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -51,14 +55,18 @@ class ProcessExecutor:
     engines_restart_with_scheduler = True  # the child ends with this process
 
     def __init__(self, model_path: Path, max_rank: int, live_dir: str | Path, start_timeout: float = 300,
-                 max_resident: int = 0, state_write_interval: float = 0.0,
-                 min_shared_prefix: int = MIN_SHARED_TOKENS, keep_glibc_malloc_defaults: bool = False) -> None:
-        self._args = (str(model_path), max_rank, str(live_dir), max_resident, state_write_interval, min_shared_prefix,
-                      keep_glibc_malloc_defaults, str(store.cache_dir()))
+                 max_resident: int = 0, memory_budget: tuple[int | None, float] = (0, 0.0),
+                 state_write_interval: float = 0.0, min_shared_prefix: int = MIN_SHARED_TOKENS,
+                 keep_glibc_malloc_defaults: bool = False) -> None:
+        """memory_budget: (bytes, or None for a fraction of the device's memory; that fraction), worked out
+        in the child, which knows its device (workers/trainer/residency.py)."""
+        self._args = (str(model_path), max_rank, str(live_dir), max_resident, memory_budget, state_write_interval,
+                      min_shared_prefix, keep_glibc_malloc_defaults, str(store.cache_dir()))
         self._start_timeout = start_timeout
         self._lock = threading.Lock()
         self._held: set[str] = set()  # models the current child has run
         self._lost: set[str] = set()  # models a dead child held
+        self._residency = ResidencyStats.empty()
         self._start()
 
     def _start(self) -> None:
@@ -74,7 +82,7 @@ class ProcessExecutor:
         with self._lock:
             try:
                 self._conn.send((method, args))
-                status, value = self._conn.recv()
+                status, value, *residency = self._conn.recv()
             except (EOFError, OSError):  # the child died
                 self._proc.join(timeout=10)
                 code = self._proc.exitcode
@@ -85,7 +93,12 @@ class ProcessExecutor:
                 raise EngineProcessLost(f"the engine process died (exit code {code})") from None
         if status != "ok":
             raise RuntimeError(value)
+        self._residency = residency[0]
         return value
+
+    def residency_stats(self) -> ResidencyStats:
+        """As of the child's last answer (workers/trainer/residency.py)."""
+        return self._residency
 
     def place(self, model_ids: set[str]) -> set[str]:
         """Of these models, those a dead engine process held, and those the child restored from an older

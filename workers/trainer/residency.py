@@ -1,0 +1,151 @@
+"""Which training runs a trainer keeps in memory: a byte budget, the least recently used paged out.
+
+A run in memory costs its adapter's weights, their gradients and, once it has stepped, AdamW's two
+moments (`Adapter.resident_bytes`: 4x the weights in float32). A run paged out costs disk only: the
+executor writes its full state, gradients included, to its live slot in the store and drops it; on
+its next use it is read back and verified (workers/trainer/live_state.py), and continues bitwise as
+if it had never left. The executor pages out before a cycle loads its runs, using what each
+incoming run held when it left (a run never resident in this process counts as 0 until loaded:
+after a restart the first cycles can pass the budget by their own runs, and the budget is checked
+again once they are in). A cycle's own runs, and runs halfway through a request in parts, are never
+paged out: a cycle whose runs alone exceed the budget runs over it.
+
+The budget: `budget_bytes` given, else a fraction of the memory the adapters live in (the GPU's on
+CUDA, the machine's RAM on CPU); 0 keeps every run resident. Operators read the numbers at /metrics
+(`ResidencyMetrics`: the embedded server's, a Celery trainer worker's `metrics_port`) and in
+`stats()`. What a run costs in each tier, and how the budget meets the quota on live runs:
+docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import REGISTRY, Collector
+
+
+def memory_budget(budget_bytes: int | None, fraction: float, device: torch.device) -> int:
+    """The bytes of adapter state a trainer keeps resident (0: no limit)."""
+    if budget_bytes is not None:
+        return int(budget_bytes)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * fraction)
+
+
+@dataclass(frozen=True)
+class ResidencyStats:
+    budget_bytes: int
+    resident_runs: int
+    resident_bytes: int
+    paged_runs: int  # paged out by this trainer and not used since
+    page_ins: int
+    page_in_seconds: float  # all page-ins together
+    page_outs: int
+
+    @classmethod
+    def empty(cls) -> ResidencyStats:
+        return cls(0, 0, 0, 0, 0, 0.0, 0)
+
+
+class Residency:
+    """The least-recently-used order of the resident runs, and what to page out to stay in budget."""
+
+    def __init__(self, budget_bytes: int = 0, max_runs: int = 0) -> None:
+        self.budget_bytes = budget_bytes  # 0: no limit
+        self.max_runs = max_runs  # a count limit besides (0: none)
+        self._used: OrderedDict[str, None] = OrderedDict()  # resident runs, least recently used first
+        self._paged: dict[str, int] = {}  # run -> the bytes it held when paged out
+        self.page_ins = 0
+        self.page_in_seconds = 0.0
+        self.page_outs = 0
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.budget_bytes or self.max_runs)
+
+    def used(self, model_id: str) -> None:
+        self._used[model_id] = None
+        self._used.move_to_end(model_id)
+
+    def to_page_out(self, resident: dict[str, int], keep: set[str], incoming: set[str]) -> list[str]:
+        """The runs to page out, least recently used first, so that `resident` (run -> bytes) and the
+        `incoming` runs fit the budget; never one in `keep`."""
+        total = sum(resident.values()) + sum(self._paged.get(m, 0) for m in incoming - resident.keys())
+        count = len(resident.keys() | incoming)
+        order = [m for m in self._used if m in resident] + [m for m in resident if m not in self._used]
+        victims = []
+        for model_id in order:
+            over_bytes = self.budget_bytes and total > self.budget_bytes
+            over_count = self.max_runs and count > self.max_runs
+            if not (over_bytes or over_count):
+                break
+            if model_id in keep:
+                continue
+            victims.append(model_id)
+            total -= resident[model_id]
+            count -= 1
+        return victims
+
+    def paged_out(self, model_id: str, nbytes: int) -> None:
+        self._used.pop(model_id, None)
+        self._paged[model_id] = nbytes
+        self.page_outs += 1
+
+    def paged_in(self, model_id: str, seconds: float) -> None:
+        if self._paged.pop(model_id, None) is not None:
+            self.page_ins += 1
+            self.page_in_seconds += seconds
+        self.used(model_id)
+
+    def forget(self, model_id: str) -> None:
+        """The run left memory for good (deleted, or moved to another trainer)."""
+        self._used.pop(model_id, None)
+        self._paged.pop(model_id, None)
+
+    def stats(self, resident: dict[str, int]) -> ResidencyStats:
+        return ResidencyStats(self.budget_bytes, len(resident), sum(resident.values()), len(self._paged),
+                              self.page_ins, self.page_in_seconds, self.page_outs)
+
+
+class ResidencyMetrics(Collector):
+    """The residency of every trainer this process hosts, read at each scrape of /metrics (summed: one
+    process normally hosts one). A collector, not gauges set along the way: the numbers live in the
+    executor, which may be in a child process (workers/trainer/process_executor.py)."""
+
+    def __init__(self) -> None:
+        self.sources: list[Callable[[], ResidencyStats]] = []
+
+    def collect(self):
+        stats = [source() for source in self.sources]
+        for name, doc, field in (
+            ("loraplex_trainer_budget_bytes", "The trainers' memory budget for training state (0: none)", "budget_bytes"),
+            ("loraplex_trainer_resident_runs", "Training runs whose state is in a trainer's memory", "resident_runs"),
+            ("loraplex_trainer_resident_bytes", "Bytes of training state (weights, gradients, AdamW moments) "
+             + "in the trainers' memory", "resident_bytes"),
+            ("loraplex_trainer_paged_runs", "Training runs paged out to the store and not used since", "paged_runs"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=sum(getattr(s, field) for s in stats))
+        yield SummaryMetricFamily("loraplex_trainer_page_in_seconds", "Reading a paged-out run's state back in",
+                                  count_value=sum(s.page_ins for s in stats),
+                                  sum_value=sum(s.page_in_seconds for s in stats))
+        yield CounterMetricFamily("loraplex_trainer_page_outs", "Runs paged out of a trainer's memory to the store",
+                                  value=sum(s.page_outs for s in stats))
+
+
+METRICS = ResidencyMetrics()
+REGISTRY.register(METRICS)
+
+
+def publish(source: Callable[[], ResidencyStats]) -> Callable[[], None]:
+    """Serve `source`'s numbers at /metrics; the function to call to stop."""
+    METRICS.sources.append(source)
+    return lambda: METRICS.sources.remove(source)
+
