@@ -41,16 +41,17 @@ def test_chat_sl_trains_loraplex_tiny_on_the_cookbook_conversations(server, tmp_
     assert trained < base - 0.5
 
 
-@pytest.mark.slow  # 30-65 s on 2 cores: 6 steps of 16 groups x 8 samples, sampled by vLLM
+@pytest.mark.slow  # 40-85 s on 2 cores: 8 steps of 16 groups x 8 samples, sampled by vLLM
 def test_math_rl_arithmetic_with_its_default_loss(server, tmp_path):
     """math_rl's arithmetic env with the recipe's default loss, stable_reinforce. loraplex/tiny is a
     random model: it never answers a sum right, but it can learn the format reward (end the answer
-    with <|im_end|> within max_tokens), which it first hits ~3% of the time. Six runs measured
-    format 0.023-0.047 at step 0 and 0.727-0.977 at step 5, reward -0.098 to -0.095 at step 0 and
-    -0.027 to -0.002 at step 5 (the reward is 0.1 * (format - 1) while no sum is right)."""
+    with <|im_end|> within max_tokens), which it first hits ~3% of the time. When it takes off varies
+    (the recipe does not seed its samples): of nine 6-step runs, seven had format 0.742-1.0 at step 5,
+    and two started late, 0.602 and 0.227 (still at 0.055 at step 4). Eight steps leave room for a
+    late start. The reward is 0.1 * (format - 1) while no sum is right."""
     api_key, tenant_id = tenant(server)
     log_path = tmp_path / "math_rl"
-    max_steps, groups, group_size = 6, 16, 8
+    max_steps, groups, group_size = 8, 16, 8
     rows = run_recipe("math_rl", server.base_url, api_key, log_path, 600, model_name="loraplex/tiny",
                       renderer_name=RENDERER, env="arithmetic", groups_per_batch=groups, group_size=group_size,
                       max_tokens=16, lora_rank=8, learning_rate=1e-2, max_steps=max_steps)

@@ -69,7 +69,7 @@ def test_training_and_sampling_flow(client):
     expected = training.forward([datum()]).result().loss_fn_outputs[0]["logprobs"]
     np.testing.assert_allclose(resumed.forward([datum()]).result().loss_fn_outputs[0]["logprobs"], expected, rtol=1e-6)
 
-    runs = client.create_rest_client().list_training_runs()
+    runs = client.create_rest_client().list_training_runs().result().training_runs
     assert training.model_id in {r.training_run_id for r in runs}
 
 
@@ -104,7 +104,7 @@ def test_async_twins(client):
         sampler = await training.save_weights_and_get_sampling_client_async()
         sampled = await (await sampler.sample_async(types.ModelInput.from_ints(TOKENS[:4]), 2,
                                                     types.SamplingParams(max_tokens=3, seed=2)))
-        runs = await client.create_rest_client().list_training_runs_async()
+        runs = (await client.create_rest_client().list_training_runs_async()).training_runs
         assert training.model_id in {r.training_run_id for r in runs}
         return losses, sampled
 
