@@ -8,7 +8,7 @@ labels: the set of series stays small and reveals nobody's activity.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -20,3 +20,5 @@ CYCLE_TENANTS = Histogram("loraplex_cycle_tenants", "Tenants sharing the batched
                           buckets=COUNTS)
 REQUESTS_FINISHED = Counter("loraplex_requests_finished", "Training requests finished by the scheduler",
                             ["kind", "outcome"])
+RECOVERING_MODELS = Gauge("loraplex_recovering_models",
+                          "Models replaying the work their engine lost in a restart; their new requests wait")

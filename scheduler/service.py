@@ -6,6 +6,10 @@ outcome, advances each model's applied seq_id and wakes the API's long-polls. On
 every unfinished request from the database, so a restart loses no accepted work. A seq_id that
 has not arrived `seq_gap_seconds` after a later one of its model is recorded as a failed request
 ("never arrived") and skipped, so the model goes on.
+
+Recovery runs on the scheduler's thread, never before the API serves: the requests an engine lost
+with the old process are replayed one per cycle, between the cycles of every other model, and only
+the model being replayed waits for it (its new requests stay pending until its replay is done).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
@@ -90,6 +95,8 @@ class SchedulerService:
         self._idle = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # model -> the ids of its requests to replay, in seq_id order (`recover`); it runs nothing else meanwhile
+        self.replaying: dict[str, deque[str]] = {}
         self.heartbeat = Heartbeat(sessions)  # says in the database that a scheduler runs (scheduler/liveness.py)
 
     # --- feeding ---------------------------------------------------------------------------------
@@ -100,8 +107,9 @@ class SchedulerService:
 
     def recover(self) -> int:
         """Queue every training request that was accepted but not finished (a running one is re-run:
-        its effects were never committed, since outcomes and model progress are stored together).
-        Samples are the sampling dispatcher's."""
+        its effects were never committed, since outcomes and model progress are stored together),
+        and note what each model must replay first (`replaying`; `step` replays it). Samples are the
+        sampling dispatcher's. Runs on the scheduler's thread (`start`): the API serves meanwhile."""
         with self.sessions() as s:
             rows = s.scalars(
                 sa.select(Request)
@@ -114,41 +122,73 @@ class SchedulerService:
             # Local engines restarted with this process and lost their gradients; Celery workers
             # did not (a dead one's models are replayed when they move: see step).
             if self.executor.engines_restart_with_scheduler:
-                self._replay_lost_work(s)
+                self.replaying = self._lost_work(s)
+        if self.replaying:
+            log.info("replaying %d requests of %d models in the background",
+                     sum(map(len, self.replaying.values())), len(self.replaying))
+        metrics.RECOVERING_MODELS.set(len(self.replaying))
         self.wakeup.set()
         return len(rows)
 
-    def _replay_lost_work(self, s: Session, only: set[str] | None = None) -> None:
+    def _lost_work(self, s: Session, only: set[str] | None = None) -> dict[str, deque[str]]:
         """What models finished after their last durable state lived only in the old process (or a
         dead worker: `only` its models): the gradients of forward_backward requests and, where the
-        state writer had not caught up, optim_steps. Recompute them in seq_id order (same payloads,
-        same weights -> same results); their outcomes were stored already."""
+        state writer had not caught up, optim_steps. For each model, those requests' ids in seq_id
+        order: recomputed in that order (same payloads, same weights -> same results), their stored
+        outcomes are kept."""
         live = sa.select(TrainingModel).where(TrainingModel.deleted_at.is_(None))
         if only is not None:
             live = live.where(TrainingModel.id.in_(only))
+        lost = {}
         for model in s.scalars(live):
             # never a state newer than what the database holds as applied: that step runs again
             durable = self.executor.durable_seq(model.id, at_most=model.last_applied_seq_id)
             if durable is None or durable >= model.last_applied_seq_id:
                 continue
-            rows = s.scalars(
-                sa.select(Request).where(
+            ids = s.scalars(
+                sa.select(Request.id).where(
                     Request.model_id == model.id,
                     Request.kind.in_([RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP]),
                     Request.state == RequestState.DONE, Request.seq_id > durable,
                     Request.seq_id <= model.last_applied_seq_id,
                 ).order_by(Request.seq_id)
             ).all()
-            if rows:
-                log.info("replaying %d requests of %s", len(rows), model.id)
-            cycle, jobs = Cycle(), {}
-            for i, row in enumerate(rows):  # gradients accumulate over forward_backwards; an optim_step ends a cycle
-                q = queued(row)
-                (cycle.forward_backward if q.kind == RequestKind.FORWARD_BACKWARD else cycle.optim_steps).append(q)
-                jobs[q.id] = Job(q, row.payload)
-                if q.kind == RequestKind.OPTIM_STEP or i == len(rows) - 1:
-                    self.executor.run_cycle(cycle, jobs)
-                    cycle, jobs = Cycle(), {}
+            if ids:
+                lost[model.id] = deque(ids)
+        return lost
+
+    def _replay(self, s: Session, request_id: str) -> None:
+        """Run one stored request again on its model's engine; its stored outcome stays as it is. One
+        request per engine call gives the bits of any grouping: each request's gradient is summed on its
+        own and added to the model's in seq_id order (docs/decisions/0022-batch-invariant-training.md)."""
+        row = s.get(Request, request_id)
+        q = queued(row)
+        cycle = Cycle(forward_backward=[q]) if q.kind == RequestKind.FORWARD_BACKWARD else Cycle(optim_steps=[q])
+        self.executor.run_cycle(cycle, {q.id: Job(q, row.payload)})
+
+    def _replay_lost_work(self, s: Session, only: set[str] | None = None) -> None:
+        """Replay what the models (`only`: these) lost, all of it, now: for a dead worker's models before
+        they run elsewhere, and for `loraplex-admin models rebuild`."""
+        for model_id, ids in self._lost_work(s, only).items():
+            log.info("replaying %d requests of %s", len(ids), model_id)
+            for request_id in ids:
+                self._replay(s, request_id)
+
+    def _replay_next(self) -> bool:
+        """Replay one request of the next model that has some left (models take turns); False if none had."""
+        if not self.replaying:
+            return False
+        model_id, ids = next(iter(self.replaying.items()))
+        with self.sessions() as s:
+            self._replay(s, ids[0])
+        ids.popleft()  # only once it ran: a step that raised (the database away) tries it again
+        del self.replaying[model_id]
+        if ids:
+            self.replaying[model_id] = ids  # to the back: the next model's turn
+        else:
+            log.info("%s: replayed; its requests run again", model_id)
+        metrics.RECOVERING_MODELS.set(len(self.replaying))
+        return True
 
     def _drain_inbox(self, s: Session) -> int:
         drained = 0
@@ -222,15 +262,17 @@ class SchedulerService:
         model moves on, only with its last part. Its progress lives in this process and in the
         engine that ran its parts: after a restart the request runs again from its first datum, and
         an engine that outlived the scheduler (a Celery worker) answers the parts it ran from there."""
+        replayed = self._replay_next()  # one request of a model recovering from a restart, if any
         with self.sessions() as s:
             if self._drain_inbox(s) and self._idle and self.gather_seconds:
                 time.sleep(self.gather_seconds)  # the first arrival after idling waits for its peers
                 self._drain_inbox(s)
             self._skip_stalled_gaps(s)
-            cycle = self.planner.plan(self.buffer.runnable())
-            self._idle = not cycle
+            runnable = {m: run for m, run in self.buffer.runnable().items() if m not in self.replaying}
+            cycle = self.planner.plan(runnable)
+            self._idle = not cycle and not replayed
             if not cycle:
-                return False
+                return replayed
             requests = cycle.all()
             self.buffer.start([q for q in requests if q.id not in cycle.continuing])  # those are running already
             selected = s.execute(sa.select(Request.id, Request.payload, Request.error)
@@ -345,6 +387,13 @@ class SchedulerService:
         row.expires_at = row.created_at + timedelta(seconds=ttl) if ttl else None
 
     def run_forever(self) -> None:
+        while not self._stop.is_set():  # the database may not answer yet: recover as soon as it does
+            try:
+                self.recover()
+                break
+            except Exception:
+                log.exception("recovery failed; trying again")
+                self._stop.wait(1.0)
         while not self._stop.is_set():
             try:
                 ran = self.step()
@@ -357,8 +406,7 @@ class SchedulerService:
                 self.wakeup.clear()
 
     def start(self) -> None:
-        self.heartbeat.start()  # before recovery: it may replay for minutes, holding the models meanwhile
-        self.recover()
+        self.heartbeat.start()  # before recovery: the models it replays are held by this process
         self._thread = threading.Thread(target=self.run_forever, name="scheduler", daemon=True)
         self._thread.start()
 

@@ -62,7 +62,7 @@ class Settings(BaseSettings):
         "its own, overlapping (for machines with cores to spare for both); unset: on where there is no CUDA device")
     state_write_interval_seconds: float = Field(
         5.0, description="an adapter's durable training state is written at most this often; a crash "
-        "replays up to this long of its steps from the database (workers/trainer/live_state.py)")
+        "replays up to this long of its work from the database (workers/trainer/live_state.py)")
     # workers.trainer.shared_prefix.MIN_SHARED_TOKENS, written out: this module must not import torch
     trainer_min_shared_prefix: int = Field(8, description="datums of one request that begin with "
                                            "at least this many equal tokens (an RL group's prompt) compute them once "

@@ -63,8 +63,8 @@ def test_no_usable_state_fails_clearly_and_a_rebuild_from_create_model_repairs_i
         assert failed["category"] == "server"
         message = failed["error"]
         assert message.startswith(f"the training state of model {tc.model_id} cannot be restored: ")
+        assert "(after seq_id 5): state.safetensors failed its integrity check" in message
         assert "(after seq_id 4): state.safetensors failed its integrity check" in message
-        assert "(after seq_id 2): state.safetensors failed its integrity check" in message
         assert f"loraplex-admin models rebuild {tc.model_id}" in message
         assert str(tmp_path) not in message and not any(t in message for t in tenant_ids)
 

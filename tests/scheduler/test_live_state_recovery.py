@@ -22,7 +22,7 @@ SETTINGS = dict(sampler_enabled=False, state_write_interval_seconds=0, cycle_gat
 
 def train(server) -> tuple[str, tinker.TrainingClient]:
     """A tenant's model (rank 4, seed 5): create (seq_id 0), two rounds of forward_backward(sft_data(seed))
-    + optim_step (1-4), and forward_backward(sft_data(2)) (5), whose gradient only the engine holds."""
+    + optim_step (1-4), and forward_backward(sft_data(2)) (5), whose gradient no optim_step has applied."""
     key = server.new_tenant()
     tc = tinker.ServiceClient(base_url=server.base_url, api_key=key).create_lora_training_client(
         base_model="tiny", rank=4, seed=5).result()
@@ -43,8 +43,8 @@ def test_a_damaged_newest_state_is_rebuilt_from_the_previous_one_across_a_restar
     with running_server(tmp_path, engine_process=engine_process, **SETTINGS) as first:
         key, tc = train(first)
     (newest, newest_path), (previous, _) = stored(tmp_path, tc.model_id)
-    assert (newest, previous) == (4, 2)  # the optim_steps' states; the gradient of 5 was never stored
-    corrupt(newest_path, how)
+    assert (newest, previous) == (5, 4)  # the last forward_backward's state (its gradient in it), the step's before
+    corrupt(newest_path, how)  # so the gradient of 5 is lost with it
 
     with running_server(tmp_path, engine_process=engine_process, **SETTINGS) as second:
         with http_client(second, key) as http:  # the pending gradient of seq_id 5 must be there again

@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 # kinds that run without the model's stored state: they replace it (a rejected one runs nothing)
 REPLACES_STATE = (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS, RequestKind.REJECTED)
+# kinds that change a model's training state in memory (gradients, or weights and moments)
+CHANGES_STATE = (RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP)
 
 
 def encoded(result: EngineOutput) -> Outcome:
@@ -108,7 +110,7 @@ class InProcessExecutor:
         self._compute = compute
         if compute is not None:
             engine.between_passes = compute.interleave
-        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval, compute)
+        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval, compute, busy=self.splitting)
 
     def close(self) -> None:
         """Capture the durable states not yet captured and finish writing them."""
@@ -204,7 +206,7 @@ class InProcessExecutor:
         else:
             self.residency.forget(model_id)
         last_seq = self._last_seq.pop(model_id, None)
-        if last_seq is not None:  # else: nothing ran since it was loaded; the stored state is current
+        if last_seq is not None and self.live.captured_seq(model_id) != last_seq:  # else the stored state is current
             self.live.persist(model_id, last_seq, with_gradients=True)
         self.live.forget(model_id)
         self._splits.pop(model_id, None)
@@ -233,10 +235,15 @@ class InProcessExecutor:
             outcomes.update(self._optim_steps([jobs[r.id] for r in cycle.optim_steps]))
         for request in cycle.others:
             outcomes[request.id] = self._guarded(self._other, jobs[request.id])
+        trained = set()
         for request in cycle.all():  # requests of one model run in seq_id order; a part is not the request
             if request.model_id in self.engine.adapters and outcomes[request.id].progress is None:
                 self._last_seq[request.model_id] = max(self._last_seq.get(request.model_id, -1), request.seq_id)
                 self.residency.used(request.model_id)
+                if request.kind in CHANGES_STATE and not outcomes[request.id].error:
+                    trained.add(request.model_id)
+        for model_id in trained:  # its durable state follows, at most once per interval (live_state.py)
+            self.live.ran(model_id, self._last_seq[model_id])
         self._page_out(keep={q.model_id for q in cycle.all()})  # runs first seen here now have their size
         if self.answer_resent:
             self._remember(cycle, jobs, outcomes, answered)
@@ -363,7 +370,6 @@ class InProcessExecutor:
             if isinstance(result, EngineError):
                 outcomes[job.request.id] = Outcome.failed(str(result), result.category)
                 continue
-            self.live.stepped(job.request.model_id, job.request.seq_id)
             outcomes[job.request.id] = replace(Outcome.json({"metrics": {f"{k}:mean": v for k, v in result.items()}}),
                                                metrics=optim_step_metrics(result) if self.capture_metrics else None)
         return outcomes

@@ -1,14 +1,18 @@
 """An executor's durable copy of each adapter's training state: two "live" folders per model.
 
-Written after create_model and load_weights before the outcome is returned, and after optim_steps
-in the background (a copy taken on the engine's thread, written by `StateWriter`). Writing it is
-not what makes an acknowledged step durable: the database holds every acknowledged request, and
-after a restart the scheduler replays the ones after the live state's seq_id. So a model stepping
-faster than `interval` seconds has its state captured at most once per interval (a SmolLM2 rank-16
-state is 68 MB: copying, hashing and writing it after every step cost a core for ~0.3 s); a later
-step's state is captured by a timer once its interval has passed, so a model that stops training
+Written after create_model and load_weights before the outcome is returned, and after
+forward_backwards and optim_steps in the background (a copy taken on the engine's thread, gradients
+accumulated since the last optim_step included, written by `StateWriter`). Writing it is not what
+makes an acknowledged request durable: the database holds every acknowledged request, and after a
+restart the scheduler replays the ones after the live state's seq_id. So a model training faster
+than `interval` seconds has its state captured at most once per interval (a SmolLM2 rank-16 state
+is 68 MB: copying, hashing and writing it after every step cost a core for ~0.3 s); a later
+request's state is captured by a timer once its interval has passed, so a model that stops training
 is written soon after, and `close` captures every state still unwritten. The price: a crash
-replays up to `interval` seconds of each model's steps.
+replays up to `interval` seconds of each model's work. Gradients are captured too, so that this
+bound holds for forward_backwards that no optim_step has followed yet (a backlog of them used to be
+replayed whole). A model halfway through a request run in parts (`busy`) is not captured: its
+gradients hold part of a request that a restart runs again from its first datum.
 
 Integrity: a model's state alternates between two slots, `<live>/<model>` and `<live>/<model>.alt`.
 A write goes to the slot that does not hold the newest complete state, and becomes the newest
@@ -32,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from storage import store
 from storage.checkpoint_files import CheckpointError
@@ -61,8 +65,11 @@ class Restored:
 
 class LiveStates:
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, engine_lock: threading.RLock,
-                 interval: float = 0.0, compute: ComputeThread | None = None) -> None:
+                 interval: float = 0.0, compute: ComputeThread | None = None,
+                 busy: Callable[[], set[str]] = set) -> None:
+        """busy: the models whose state must not be captured now (halfway through a request in parts)."""
         self.engine = engine
+        self._busy = busy
         self._compute = compute  # where the timer's and close's captures (copies) run, as the engine's work
         self.live_dir = str(live_dir)
         self.interval = interval
@@ -71,7 +78,7 @@ class LiveStates:
         # Everything below changes only under it.
         self._engine_lock = engine_lock
         self._captured_at: dict[str, float] = {}  # model -> monotonic time of its last capture
-        self._unwritten: dict[str, int] = {}  # model -> seq_id of its newest optim_step not captured yet
+        self._unwritten: dict[str, int] = {}  # model -> seq_id of its newest training request not captured yet
         self._timer: threading.Timer | None = None  # one-shot, only while states wait for their interval
         self._timer_due = math.inf
         self._closed = False
@@ -184,14 +191,20 @@ class LiveStates:
 
     # --- when to write ---------------------------------------------------------------------------
 
-    def stepped(self, model_id: str, seq_id: int) -> None:
-        """After an optim_step: capture now if the model's interval has passed, else when it has."""
+    def ran(self, model_id: str, seq_id: int) -> None:
+        """After a forward_backward or an optim_step (`seq_id`: the last request the model ran): capture
+        its state now if its interval has passed, else when it has."""
+        self._unwritten[model_id] = seq_id
         due = self._captured_at.get(model_id, -math.inf) + self.interval
         if time.monotonic() >= due:
-            self.persist(model_id, seq_id, wait=False)
+            self._capture_due(time.monotonic(), only=model_id)
         else:
-            self._unwritten[model_id] = seq_id
             self._wake_at(due)
+
+    def captured_seq(self, model_id: str) -> int | None:
+        """The seq_id of the model's newest captured state (gradients included, maybe still being written),
+        if nothing it ran since waits to be captured."""
+        return None if model_id in self._unwritten else self._expected.get(model_id)
 
     def forget(self, model_id: str) -> None:
         """The model left the engine (deleted, or evicted with its full state written). What its stored
@@ -208,15 +221,19 @@ class LiveStates:
             run_on(self._compute, lambda: self._capture_due(math.inf), work="trainer")
         self.writer.close()
 
-    def _capture_due(self, now: float) -> float:
-        """Capture the states whose interval has passed by `now`; the time the next one is due."""
+    def _capture_due(self, now: float, only: str | None = None) -> float:
+        """Capture the states whose interval has passed by `now` (of `only`, if given); the time the next
+        one is due. A busy model waits for its request's last part, whose `ran` captures it."""
         next_due = math.inf
+        busy = self._busy()
         for model_id, seq_id in list(self._unwritten.items()):
             due = self._captured_at.get(model_id, -math.inf) + self.interval
+            if (only is not None and model_id != only) or model_id in busy:
+                continue
             if due > now:
                 next_due = min(next_due, due)
             elif model_id in self.engine.adapters:
-                self.persist(model_id, seq_id, wait=False)
+                self.persist(model_id, seq_id, wait=False, with_gradients=True)
             else:
                 self._unwritten.pop(model_id)
         return next_due

@@ -1,10 +1,12 @@
-"""How often an executor writes an adapter's durable training state: after every optim_step with
+"""How often an executor writes an adapter's durable training state: after every forward_backward and optim_step with
 interval 0; with an interval, at most once per interval, the newest state by a timer once it is
 due, and every unwritten state on close. What is written is the state as of the seq_id it names."""
 
 from __future__ import annotations
 
 import json
+
+import torch
 
 from contract.queue import Cycle
 from storage.checkpoint_files import read_manifest
@@ -64,3 +66,22 @@ def test_close_writes_every_state_not_yet_written(tiny_model_path, tmp_path):
     assert written(executor, "a") == written(executor, "b") == (0, 0)
     executor.close()
     assert read_manifest(tmp_path / "a")["extra"]["seq_id"] == read_manifest(tmp_path / "b")["extra"]["seq_id"] == 2
+
+
+def test_gradients_no_optim_step_applied_are_written_with_the_state(tiny_model_path, tmp_path):
+    """A forward_backward's state is written like an optim_step's, its accumulated gradient in it, so a
+    restart replays at most one interval of a model's work however long it accumulates."""
+    executor = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path)
+    create(executor, "c")
+    for seq in (1, 2, 3):
+        fb, job = forward_backward("c", seq)
+        assert executor.run_cycle(Cycle(forward_backward=[fb]), {fb.id: job})[fb.id].error is None
+        assert written(executor, "c") == (seq, 0)
+    gradients = executor.engine.adapter("c").flat_grads.clone()
+    executor.close()
+
+    restarted = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path)
+    assert restarted.durable_seq("c") == 3  # nothing to replay
+    assert restarted.place({"c"}) == set()
+    assert torch.equal(restarted.engine.adapter("c").flat_grads, gradients)
+    restarted.close()
