@@ -6,7 +6,8 @@ inference API (`<server>/oai/api/v1`), as trajectories, and those trajectories a
     trajectory = rollouts.get_trajectory("episode-17")
     rollouts.set_reward("episode-17", 1.0)         # or turn=..., choice=... for one sampled choice
     built = rollouts.datums("episode-17")          # TrajectoryDatums: .datums, .per_trajectory, .reason
-    training.forward_backward(built.datums, "importance_sampling")
+    training.forward_backward(built.datums, "importance_sampling")            # a loraplex TrainingClient
+    training.forward_backward(built.tinker_datums(), "importance_sampling")   # an official tinker one
 
 `trajectory_datums` is the rule, run by the server's datums route (and usable offline on a fetched
 `Trajectory`): when every turn has one sampled choice and each turn's prompt starts with the previous
@@ -122,6 +123,16 @@ class TrajectoryDatums:
     per_trajectory: bool  # True: one datum for the whole trajectory; False: one per (turn, choice)
     reason: str  # why, in words (where the extension broke, or which turn had several choices)
     sources: list[list[tuple[int, int]]]  # per datum: the (turn, choice) pairs whose sampled tokens it trains
+
+    def tinker_datums(self) -> list:
+        """`datums` as the official `tinker` SDK's `types.Datum`, for a tinker TrainingClient (this SDK's own
+        clients take `datums` as they are). Needs `tinker` installed."""
+        from tinker import types as tinker_types
+
+        return [tinker_types.Datum(model_input=tinker_types.ModelInput.from_ints(d.model_input.to_ints()),
+                                   loss_fn_inputs={name: tinker_types.TensorData.from_numpy(array)
+                                                   for name, array in d.arrays().items()})
+                for d in self.datums]
 
     def to_json(self) -> dict:
         return {"per_trajectory": self.per_trajectory, "reason": self.reason,
