@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import ApiKeyHeader, TenantRef, in_tenant_session
 from api.input_policy import Id
 from api.public_errors import public_error
+from contract.kinds import RequestKind
 from db.models import Request as RequestRow
 from db.models import RequestState
 from messaging.notify import Answer, Watch
@@ -76,6 +77,21 @@ def _reread(request: Request, request_id: str) -> Answer | None:
         return _answer_if_finished(_stored(db, request_id))
 
 
+def _queue_position(request: Request, request_id: str) -> int | None:
+    """How many unfinished requests of its queue (training, or sampling) were accepted before this one, of
+    every tenant: a count, never whose. None once it finished."""
+    with request.app.state.sessions() as db:
+        row = db.execute(sa.select(RequestRow.kind, RequestRow.state, RequestRow.created_at)
+                         .where(RequestRow.id == request_id)).first()
+        if row is None or row.state in FINISHED:
+            return None
+        same_queue = RequestRow.kind == RequestKind.SAMPLE if row.kind == RequestKind.SAMPLE \
+            else RequestRow.kind != RequestKind.SAMPLE
+        return db.scalar(sa.select(sa.func.count()).select_from(RequestRow).where(
+            RequestRow.state.in_([RequestState.PENDING, RequestState.RUNNING]), same_queue,
+            RequestRow.created_at < row.created_at))
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(body: RetrieveFuture, request: Request, x_api_key: ApiKeyHeader = None) -> Response:
     deadline = time.monotonic() + request.app.state.settings.long_poll_seconds
@@ -85,7 +101,10 @@ async def retrieve_future(body: RetrieveFuture, request: Request, x_api_key: Api
             answer = await wait_for_answer(watch, deadline,
                                            lambda: run_in_threadpool(_reread, request, body.request_id))
         if answer is None:
-            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+            ahead = await run_in_threadpool(_queue_position, request, body.request_id)
+            waiting = {} if ahead is None else {"queue_position": ahead,
+                                                "queue_state_reason": f"{ahead} requests accepted before it are unfinished"}
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active", **waiting})
     if answer.error is not None:
         settings = request.app.state.settings
         error = dict(answer.error, error=public_error(str(answer.error.get("error", "")), settings.checkpoint_dir,

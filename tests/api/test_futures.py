@@ -38,7 +38,8 @@ def test_a_request_not_run_yet_says_try_again_after_the_long_poll(api):
     request_id = accepted_request(api, key)
     start = time.monotonic()
     answer = api.as_tenant(key).post("/retrieve_future", json={"request_id": request_id})
-    assert answer.json() == {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    assert answer.json() == {"type": "try_again", "request_id": request_id, "queue_state": "active",
+                             "queue_position": 0, "queue_state_reason": "0 requests accepted before it are unfinished"}
     assert time.monotonic() - start >= api.app.state.settings.long_poll_seconds
 
 
