@@ -27,12 +27,14 @@ def of_run(run_id: str):
 
 
 def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> dict[tuple[int, bytes], list[dict]]:
-    """(step, prompt tokens) -> the group's members, for the run's turns after step `since`."""
+    """(step, prompt tokens) -> the group's members, for the run's turns after step `since`. A turn
+    sampled from policy_version v is at step v + 1, the optimizer step its rollouts feed (as every
+    sample on the dashboard's axis: db/run_metrics.py)."""
     turns = s.execute(
         sa.select(RolloutTurn.id, RolloutTurn.trajectory_id, RolloutTurn.turn, RolloutTurn.policy_version,
                   RolloutTurn.prompt_tokens, RolloutTrajectory.session_id, RolloutTrajectory.reward)
         .join(RolloutTrajectory, RolloutTrajectory.id == RolloutTurn.trajectory_id)
-        .where(RolloutTurn.tenant_id == tenant_id, of_run(run_id), RolloutTurn.policy_version > since)
+        .where(RolloutTurn.tenant_id == tenant_id, of_run(run_id), RolloutTurn.policy_version >= since)  # feeds step > since
         .order_by(RolloutTurn.trajectory_id, RolloutTurn.turn)).all()
     samples: dict[str, list] = defaultdict(list)
     for chunk in range(0, len(turns), IN_LIST):
@@ -51,7 +53,7 @@ def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> dict[t
             continue
         only = len(samples[t.id]) == 1
         for sample in samples[t.id]:
-            groups[(t.policy_version, t.prompt_tokens)].append({
+            groups[(t.policy_version + 1, t.prompt_tokens)].append({
                 "session_id": t.session_id, "turn": 0, "choice": sample.choice,
                 "reward": sample.reward if sample.reward is not None else t.reward,
                 "output_tokens": len(sample.tokens) // 4 + (later_tokens[t.trajectory_id] if only else 0)})

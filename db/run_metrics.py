@@ -6,12 +6,18 @@ Writes happen where the numbers appear: the scheduler stores a forward_backward'
 embedded and distributed mode alike), the sampling dispatcher a sample's tokens and logprobs, the
 rollouts route the policy versions of the trajectories it turns into datums. Rows hold sums; reads
 add a step's rows up and divide once.
+
+The step axis is the optimizer step, and every number sits at the step it belongs to: the training
+requests at the step their optim_step made, samples of snapshot v (policy_version v) at step v + 1,
+the step their rollouts feed (`feeds_step`). Times are what a stopwatch shows: the wall time during
+which any of a step's requests ran (`wall_seconds`), never a sum over concurrent requests.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from datetime import datetime
 from typing import Iterable, Sequence
 
 import sqlalchemy as sa
@@ -148,24 +154,69 @@ def seconds_between(later, earlier) -> float | None:
     return (later - earlier).total_seconds() if later is not None and earlier is not None else None
 
 
+def feeds_step(source: str, step: int) -> int:
+    """The optimizer step a stored row belongs to on the axis: a sample of policy_version v feeds step v + 1."""
+    return step + 1 if source == RequestKind.SAMPLE else step
+
+
+Interval = tuple[datetime, datetime]
+
+
+def merged(intervals: Iterable[Interval]) -> list[Interval]:
+    """The time the intervals cover, as disjoint intervals in order."""
+    out: list[Interval] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def wall_seconds(intervals: Iterable[Interval], outside: Iterable[Interval] = ()) -> float:
+    """Seconds covered by `intervals` and not by `outside`: what a stopwatch running while any of them ran
+    (and none of `outside` did) shows."""
+    total = 0.0
+    cuts = merged(outside)
+    for start, end in merged(intervals):
+        total += (end - start).total_seconds()
+        for cut_start, cut_end in cuts:
+            overlap = (min(end, cut_end) - max(start, cut_start)).total_seconds()
+            total -= max(0.0, overlap)
+    return total
+
+
 def series(s: Session, run_id: str, since: int = -1) -> dict:
     """Every series of the run with step > since: {"last_step", "series": {name: {unit, source, points}}}.
     The service's points of a step appear once its optim_step is done (before, its forward_backwards
     are still adding up); the client's as logged."""
     sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    # step -> the wall-clock intervals of its requests: waiting and computing on the trainer, sampling
+    waits, computes, samples = defaultdict(list), defaultdict(list), defaultdict(list)
+    now = current_step(s, run_id)
     rows = s.execute(
         sa.select(ServiceMetric.source, ServiceMetric.step, ServiceMetric.numbers,
                   Request.created_at, Request.started_at, Request.finished_at)
         .outerjoin(Request, Request.id == ServiceMetric.request_id)
-        .where(ServiceMetric.run_id == run_id, ServiceMetric.step > since,
-               ServiceMetric.step <= current_step(s, run_id)))
-    for source, step, numbers, created, started, finished in rows:
+        .where(ServiceMetric.run_id == run_id, ServiceMetric.step >= since,
+               ServiceMetric.step <= now))  # (a sample's row holds its policy_version: it feeds the next step)
+    for source, stored_step, numbers, created, started, finished in rows:
+        step = feeds_step(source, stored_step)
+        if step <= since:
+            continue
         step_sums = sums[step]
         for name, value in numbers.items():
             step_sums[name] += value
-        if source in (RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP):
-            step_sums["train_queue_seconds"] += seconds_between(started, created) or 0.0
-            step_sums["train_compute_seconds"] += seconds_between(finished, started) or 0.0
+        if source in (RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP) and None not in (created, started, finished):
+            waits[step].append((created, started))
+            computes[step].append((started, finished))
+        elif source == RequestKind.SAMPLE and None not in (created, finished):
+            samples[step].append((created, finished))
+    for step in computes:  # stopwatch times, replacing sums over concurrent requests
+        sums[step]["train_compute_seconds"] = wall_seconds(computes[step])
+        sums[step]["train_queue_seconds"] = wall_seconds(waits[step], outside=computes[step])
+    for step in samples:
+        sums[step]["sample_seconds"] = wall_seconds(samples[step])
     out: dict[str, dict] = {}
     for step in sorted(sums):
         for name, (unit, value_of) in SERVICE_SERIES.items():

@@ -57,10 +57,10 @@ def loop(tmp_path_factory):
 def test_sampler_numbers_and_staleness(loop):
     http, run = loop
     series = http.get(f"/runs/{run}/metrics").json()["series"]
-    tokens = dict(series["sample/tokens"]["points"])
-    assert set(tokens) == {1} and tokens[1] >= 2 * 8 + 5  # the SDK's 2 x 8 tokens, and the API's (stop included)
-    assert dict(series["sample/tokens_per_second"]["points"])[1] > 0
-    assert dict(series["entropy"]["points"])[1] > 0  # -mean sampled logprob: positive unless every token is certain
+    tokens = dict(series["sample/tokens"]["points"])  # snapshot 1's samples feed step 2
+    assert set(tokens) == {2} and tokens[2] >= 2 * 8 + 5  # the SDK's 2 x 8 tokens, and the API's (stop included)
+    assert dict(series["sample/tokens_per_second"]["points"])[2] > 0
+    assert dict(series["entropy"]["points"])[2] > 0  # -mean sampled logprob: positive unless every token is certain
     assert series["staleness"]["points"] == [[2, 0.0]]  # sampled by snapshot 1, trained by step 2: on-policy
     gap = dict(series["logprob_gap/mean_abs"]["points"])[2]
     assert gap < 0.05  # the same weights on both sides: vLLM's logprobs and the trainer's agree
@@ -69,13 +69,13 @@ def test_sampler_numbers_and_staleness(loop):
 def test_rl_groups(loop):
     http, run = loop
     [step] = http.get(f"/runs/{run}/rl_groups").json()["steps"]
-    assert step["step"] == 1
+    assert step["step"] == 2  # sampled from snapshot 1: the rollouts of step 2
     groups = sorted(step["groups"], key=lambda g: g["size"])
     assert [(g["size"], g["outcome"]) for g in groups] == [(2, "all_good"), (3, "mixed")]
     assert groups[0]["reward"] == {"best": 1.0, "mean": 0.75, "worst": 0.5}
     assert step["fractions"] == {"all_good": 0.5, "all_bad": 0.0, "mixed": 0.5}
     assert all(0 < m["output_tokens"] <= 6 for g in groups for m in g["members"])
-    assert http.get(f"/runs/{run}/rl_groups", params={"since": 1}).json()["steps"] == []
+    assert http.get(f"/runs/{run}/rl_groups", params={"since": 2}).json()["steps"] == []
     assert "good_above" in http.get(f"/runs/{run}/rl_groups", params={"good_above": "inf"}).json()["detail"]
 
 

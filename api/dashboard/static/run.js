@@ -1,5 +1,6 @@
 "use strict";
-// One run: every series on the optimizer-step axis, RL groups per step, recent failed requests.
+// One run: every series on the optimizer-step axis (a step's rollouts at the step they feed), RL groups per
+// step, recent failed requests. Times are wall-clock (docs/dashboard.md).
 // Polls with ?since=last_step-1 and replaces the points it holds at those steps (the newest step
 // may still change, docs/dashboard.md).
 (() => {
@@ -14,8 +15,8 @@
     {id: "chart-learning-rate", title: "Learning rate", series: [["learning_rate", "learning rate"]]},
     {id: "chart-tokens", title: "Tokens trained per step", unit: "tokens", series: [["tokens", "tokens"]]},
     {id: "chart-stall", title: "Stall time per step", unit: "s", series: [
-      ["train/queue_seconds", "trainer: queue wait"], ["train/compute_seconds", "trainer: compute"],
-      ["sample/seconds", "sampler: wait + compute"]]},
+      ["train/queue_seconds", "trainer: waiting"], ["train/compute_seconds", "trainer: computing"],
+      ["sample/seconds", "sampler: wait + compute (wall)"]]},
     {id: "chart-sampler-throughput", title: "Sampler throughput", unit: "tokens/s",
      series: [["sample/tokens_per_second", "tokens/s"]]},
     {id: "chart-sampled-tokens", title: "Tokens sampled from each snapshot", unit: "tokens",
