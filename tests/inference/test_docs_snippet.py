@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed.processes import ROOT
+
+pytestmark = pytest.mark.vllm  # the package's server runs the vLLM sampler
 
 DOC = ROOT / "docs" / "inference-proxy.md"
 URL, KEY = '"http://127.0.0.1:8000"', '"tml-..."'

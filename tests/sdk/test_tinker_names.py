@@ -39,14 +39,14 @@ def test_a_wrong_port_is_said_at_once_and_once():
     started = time.time()
     try:
         with pytest.raises(loraplex.APIConnectionError):
-            loraplex.ServiceClient(base_url=url, api_key="tml-x", retry_seconds=4)
+            loraplex.ServiceClient(base_url=url, api_key="tml-x", retry_seconds=2)
     finally:
         logging.getLogger("loraplex").removeHandler(records)
     [told] = records.records  # several retries, one line
     assert told.created - started < 2.0, "the first retry was not told at once"
     message = told.getMessage()
     assert f"POST {url}/api/v1/create_session failed" in message and "connect" in message.lower(), message
-    assert "retrying for up to 4 s" in message
+    assert "retrying for up to 2 s" in message
 
 
 def rest_sampler(service, sampler) -> str:
