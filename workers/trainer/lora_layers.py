@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from contract.configs import target_module_names
@@ -108,7 +109,12 @@ class LayerGroup:
         segments = [plan.segments_for(path) for path in self.paths]
         rows = [[(s.start, s.end) for s in segs] for segs in segments]
         if x.is_cuda or backend == "triton" or any(r != rows[0] for r in rows):
-            return [apply_segmented_lora(x, layer(x), segs, backend) for layer, segs in zip(self.layers, segments)]
+            # on the token rows as a 2-D matrix: nn.Linear with a bias (Qwen2's q/k/v) answers a 3-D input
+            # with a view of its product, and the LoRA adds into its base output in place, which a view
+            # of a product does not allow (its backward failed on the shapes)
+            x2 = x.reshape(-1, x.shape[-1])
+            return [apply_segmented_lora(x2, F.linear(x2, layer.weight, layer.bias), segs, backend)
+                    .view(*x.shape[:-1], layer.out_features) for layer, segs in zip(self.layers, segments)]
         # also without segments: the base layers then sum their input gradient as they do beside
         # LoRA (in place), so a row's bits do not depend on whether another adapter trains the group
         return apply_lora_group(x, self.layers, segments if any(segments) else [], backend)
