@@ -16,9 +16,10 @@ from loraplex.types import DEFAULT_LORA_RANK, AdamParams
 
 DEFAULT_LORA_ALPHA = 32.0
 
-# Tinker's LoRA switches -> the module names they cover (same names in Llama, Qwen2 and Qwen3).
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# Tinker's LoRA switches -> the module names they cover: Llama, Mistral, Qwen2/3 and Gemma 2 name them
+# alike; Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj. A model holds one set or the other.
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 UNEMBED_MODULES = ("lm_head",)
 
 

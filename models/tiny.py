@@ -68,8 +68,15 @@ def build_tokenizer():
     )
 
 
+# A window shorter than the datums of the tests, so that packed attention's window is exercised.
+SLIDING_WINDOW = 16
+
+
 def tiny_config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A 2-layer config of `arch` (a Hugging Face model_type) with what sets the family apart kept:
+    Mistral's sliding window, Phi-3's fused qkv and gate_up projections, Gemma 2's soft-capping, tied
+    embeddings, (1 + w) norms and alternating sliding and global layers."""
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -91,6 +98,12 @@ def tiny_config(arch: str, vocab_size: int):
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=32, **common)
+    if arch == "mistral":
+        return MistralConfig(head_dim=32, sliding_window=SLIDING_WINDOW, **common)
+    if arch == "phi3":
+        return Phi3Config(**common)
+    if arch == "gemma2":  # soft-capping (50 on attention scores, 30 on logits) and query_pre_attn_scalar stay
+        return Gemma2Config(head_dim=32, sliding_window=SLIDING_WINDOW, **(common | {"tie_word_embeddings": True}))
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 

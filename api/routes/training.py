@@ -32,6 +32,7 @@ from contract.kinds import RequestKind
 from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
 from db import stability
 from db.models import Checkpoint, Sampler, TrainingModel
+from models.architectures import check_lora_config
 from storage.checkpoint_files import read_manifest
 
 router = APIRouter()
@@ -120,6 +121,10 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
     base_model = served_model(request, body.base_model)  # stored by its hub id, whichever alias named it
     body.optimizer_config.check("optimizer_config")
     cfg = lora_config(body.lora_config, request.app.state.settings.max_lora_rank)
+    try:
+        check_lora_config(request.app.state.model_info.arch, cfg)
+    except InvalidInputError as e:
+        raise HTTPException(400, str(e)) from None
     mid = make_model_id(body.session_id, body.model_seq_id)
     if db.get(TrainingModel, mid) is None:
         quotas.check_new_model(db, tenant.id, cfg.rank)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 from loraplex.hf_cache import write_snapshot
-from transformers import AutoTokenizer, MistralConfig
+from transformers import AutoTokenizer, GPT2Config
 
 from models.registry import REGISTRY, SUPPORTED_ARCHITECTURES, ModelUnavailable, model_info, resolve_model
 from models.tokenizer_files import tokenizer_manifest
@@ -86,7 +86,7 @@ def test_a_named_folder_never_overwrites_a_real_download_of_that_id(hub_cache, t
 
 
 @pytest.mark.parametrize("config, architecture", [
-    (MistralConfig(architectures=["MistralForCausalLM"]), "'mistral' model (MistralForCausalLM)"),
+    (GPT2Config(architectures=["GPT2LMHeadModel"]), "'gpt2' model (GPT2LMHeadModel)"),
 ])
 def test_an_architecture_not_proven_is_refused_naming_it_and_the_supported_ones(tmp_path, config, architecture):
     folder = tmp_path / "model"

@@ -26,6 +26,9 @@ NAMES = {
     "loraplex/tiny": ["tiny"],
     "loraplex/tiny-qwen2": ["tiny-qwen2"],
     "loraplex/tiny-qwen3": ["tiny-qwen3"],
+    "loraplex/tiny-mistral": ["tiny-mistral"],
+    "loraplex/tiny-phi3": ["tiny-phi3"],
+    "loraplex/tiny-gemma2": ["tiny-gemma2"],
     "HuggingFaceTB/SmolLM2-135M-Instruct": ["SmolLM2-135M-Instruct", "smollm2"],
 }
 

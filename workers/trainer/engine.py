@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from contract.configs import LoraConfig, check_adam_params
 from contract.errors import EngineError, InvalidInputError, UnknownAdapterError
 from contract.inputs import ForwardBackwardInput
+from models.architectures import check_lora_config
 from models.registry import DEFAULT_CACHE_DIR, resolve_model
 from workers.cpu_threads import intra_op_threads
 from workers.host_memory import retain_freed_host_memory
@@ -97,6 +98,7 @@ class TrainerEngine:
     def create_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> Adapter:
         config = config or LoraConfig()
         config.validate(self.max_rank)
+        check_lora_config(self.model.config.model_type, config)
         if adapter_id in self.adapters:
             raise InvalidInputError("adapter_id", f"adapter {adapter_id!r} already exists")
         adapter = Adapter.create(adapter_id, config, self.base_layers, self.dtype)

@@ -66,8 +66,11 @@ class AttentionLayout:
                                [(rows, mask.to(device)) for rows, mask in self.masked])
 
 
-def packed_causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D]."""
+def packed_causal_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            sliding_window=None, softcap=None, **kwargs):
+    """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D]. `sliding_window` (Mistral, Gemma 2's
+    local layers): a position attends to itself and the window - 1 before it; `softcap` (Gemma 2): scores
+    pass through softcap * tanh(score / softcap) before the softmax, as transformers' eager attention does."""
     layout: AttentionLayout | None = kwargs.get(LAYOUT_KWARG)
     if layout is None:  # one unpadded sequence (e.g. plain use of the wrapped model)
         layout = AttentionLayout([slice(0, query.shape[2])], [], [])
@@ -80,20 +83,47 @@ def packed_causal_attention(module, query, key, value, attention_mask, dropout=0
         repeats = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
 
-    def attend(rows, **how):
-        return F.scaled_dot_product_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows],
-                                              scale=scaling, **how)
+    def attend(q, k, v, mask: Tensor | None, positions: Tensor):
+        """q/k/v [N, H, L, D] of one block each; mask [L, L] (None: causal); positions [L] of its rows."""
+        window = sliding_window if sliding_window is not None and positions.max() >= sliding_window else None
+        if window is None and softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, scale=scaling)
+        allowed = mask if mask is not None else torch.ones(len(positions), len(positions), dtype=torch.bool,
+                                                           device=q.device).tril()
+        if window is not None:
+            allowed = allowed & (positions[:, None] - positions[None, :] < window)
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+        return soft_capped_attention(q, k, v, allowed, scaling if scaling is not None else q.shape[-1] ** -0.5,
+                                     softcap)
 
     out = torch.empty_like(query)
     for rows in layout.single:
-        out[:, :, rows] = attend(rows, is_causal=True)
+        out[:, :, rows] = attend(query[:, :, rows], key[:, :, rows], value[:, :, rows], None,
+                                 torch.arange(rows.stop - rows.start, device=query.device))
     for length, rows in layout.same_length:
         q, k, v = (t[0, :, rows].unflatten(1, (-1, length)).transpose(0, 1) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        o = attend(q, k, v, None, torch.arange(length, device=query.device))
         out[0, :, rows] = o.transpose(0, 1).flatten(1, 2)
-    for rows, mask in layout.masked:
-        out[:, :, rows] = attend(rows, attn_mask=mask)
+    for rows, mask in layout.masked:  # a shared prompt's tree: a row's position is how many rows it sees, less one
+        out[:, :, rows] = attend(query[:, :, rows], key[:, :, rows], value[:, :, rows], mask, mask.sum(-1) - 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def soft_capped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scaling: float, softcap: float) -> Tensor:
+    """transformers' eager attention with soft-capped scores, written so that its bits do not follow the
+    thread count (batch invariance, docs/decisions/0022-batch-invariant-training.md): one [rows, rows]
+    product per (datum, head), and the softmax as exp / sum. A batched matmul's backward, and torch's
+    softmax backward (a 30-row tiny Gemma 2 datum: gradients 1e-6 apart on 1 and 2 threads), sum in
+    an order that follows the threads; mm, exp and a row's sum do not."""
+    out = torch.empty_like(q)
+    for n in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            scores = torch.tanh(torch.mm(q[n, h], k[n, h].T) * scaling / softcap) * softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())
+            out[n, h] = torch.mm(exp / exp.sum(dim=-1, keepdim=True), v[n, h])
+    return out
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, packed_causal_attention)

@@ -17,8 +17,10 @@ from workers.trainer.adapters import Adapter
 
 
 def peft_model_like(adapter: Adapter, model_path, dtype=torch.float32):
-    """A fresh base model with one peft LoRA adapter holding a copy of `adapter`'s weights."""
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+    """A fresh base model with one peft LoRA adapter holding a copy of `adapter`'s weights. transformers'
+    eager attention: its reference math, the one that applies every family's extras (Gemma 2's
+    soft-capping; SDPA drops it)."""
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
     cfg = adapter.config
     model = get_peft_model(
         base,

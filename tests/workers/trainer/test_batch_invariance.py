@@ -93,19 +93,23 @@ def assert_same_bits(got: list, want: list) -> None:
 
 
 @st.composite
-def compositions(draw, vocab: int):
-    """A model's training (2 steps of 1-2 calls, each with its requests) and a crowd around it."""
+def compositions(draw, vocab: int, unembed: bool = True, longest: int = 40):
+    """A model's training (2 steps of 1-2 calls, each with its requests) and a crowd around it. `unembed`:
+    whether the model's architecture takes a LoRA on lm_head; datums of up to `longest` positions."""
     mine = LoraConfig(rank=draw(st.sampled_from([1, 2, 4, 8])), alpha=draw(st.sampled_from([4.0, 16.0])),
-                      seed=draw(st.integers(0, 9)), train_mlp=draw(st.booleans()), train_unembed=draw(st.booleans()))
-    crowd = [LoraConfig(rank=draw(st.sampled_from([1, 2, 4, 8])), seed=i, train_attn=draw(st.booleans()),
-                        train_mlp=draw(st.booleans()))
-             for i in range(draw(st.integers(0, 3)))]
+                      seed=draw(st.integers(0, 9)), train_mlp=draw(st.booleans()),
+                      train_unembed=unembed and draw(st.booleans()))
+    crowd = []
+    for i in range(draw(st.integers(0, 3))):
+        attn = draw(st.booleans())
+        crowd.append(LoraConfig(rank=draw(st.sampled_from([1, 2, 4, 8])), seed=i, train_attn=attn,
+                                train_mlp=draw(st.booleans()) or not (attn or unembed), train_unembed=unembed))
     seeds = iter(range(draw(st.integers(0, 10**6)), 10**7))
 
     def request(adapter_id: str) -> ForwardBackwardInput:
         loss_fn = draw(st.sampled_from(LOSSES))
         shortest = 3 if loss_fn == "stable_reinforce" else 1  # random_datum's two sampled sequences need 3 rows
-        lengths = draw(st.lists(st.integers(shortest, 40), min_size=1, max_size=3))
+        lengths = draw(st.lists(st.integers(shortest, longest), min_size=1, max_size=3))
         prompt = draw(st.sampled_from([0, 0, 12]))
         return ForwardBackwardInput(adapter_id, datums(loss_fn, lengths, next(seeds), vocab, prompt), loss_fn,
                                     forward_only=draw(st.booleans()) and adapter_id != "mine")
