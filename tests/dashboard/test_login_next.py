@@ -46,6 +46,7 @@ def test_login_redirects_only_inside_the_dashboard(tmp_path):
             assert form.headers["location"] == "/dashboard/compare"
 
 
+@pytest.mark.slow  # a Chromium of its own: ~2 s
 def test_the_login_page_script_goes_where_the_server_says(tmp_path):
     """With scripts on, the form posts for JSON and static/login.js goes to the server's `next`."""
     from playwright.sync_api import sync_playwright

@@ -61,6 +61,7 @@ def test_sft_steps_lower_the_loss(arch, model_path):
     assert losses[-1] < 0.9 * losses[0], losses
 
 
+@pytest.mark.slow  # ~0.5 s an architecture; test_batch_invariance.py's fast run covers the shared paths
 @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=HEALTH, database=None)
 @given(data=st.data())
 def test_a_models_bits_do_not_depend_on_the_batch(arch, model_path, data):
@@ -98,6 +99,7 @@ ROPE = {  # rope_parameters of real configs (Llama 3.1's llama3, YaRN, linear, d
 }
 
 
+@pytest.mark.slow  # a model built and compared with peft per variant: ~1 s each
 @pytest.mark.parametrize("rope", sorted(ROPE))
 def test_rope_scaling_is_exact_and_batch_invariant(rope, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
