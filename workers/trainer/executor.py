@@ -208,6 +208,8 @@ class InProcessExecutor:
         last_seq = self._last_seq.pop(model_id, None)
         if last_seq is not None and self.live.captured_seq(model_id) != last_seq:  # else the stored state is current
             self.live.persist(model_id, last_seq, with_gradients=True)
+        if paging:  # idle: one verified copy on disk is enough (docs/memory.md)
+            self.live.compact(model_id)
         self.live.forget(model_id)
         self._splits.pop(model_id, None)
         self._last_cycle.pop(model_id, None)  # whoever loads it next ran none of its requests

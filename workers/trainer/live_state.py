@@ -17,8 +17,9 @@ gradients hold part of a request that a restart runs again from its first datum.
 Integrity: a model's state alternates between two slots, `<live>/<model>` and `<live>/<model>.alt`.
 A write goes to the slot that does not hold the newest complete state, and becomes the newest
 only once it is written whole (its manifest, with the SHA-256 of its tensors, is published last:
-storage/checkpoint_files.py); so the previous state is always kept beside the newest (twice
-the disk of one state), and each is checked against its SHA-256 when it is loaded. If the
+storage/checkpoint_files.py); so while a run trains, the previous state is kept beside the newest
+(twice the disk of one state), and each is checked against its SHA-256 when it is loaded. A run
+paged out (idle) keeps one copy, once it verifies (`compact`). If the
 newest is corrupt, truncated or gone, the model is restored from the previous one and the
 scheduler replays the requests after it from the database (`place` reports the model, as for a
 dead engine; after a restart `durable_seq` is what the replay starts from). create_model and
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Callable
 
 from storage import store
 from storage.checkpoint_files import CheckpointError
-from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
+from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, newest_verified, read_slots, slot_paths
 from workers.compute_thread import ComputeThread, run_on
 from workers.trainer.checkpoints import TrainingState
 from workers.trainer.state_writer import StateWriter
@@ -200,6 +201,21 @@ class LiveStates:
             self._capture_due(time.monotonic(), only=model_id)
         else:
             self._wake_at(due)
+
+    def compact(self, model_id: str) -> bool:
+        """Keep only the model's newest stored state, once it verifies: a run paged out while idle costs one
+        copy on disk, not two (its next write makes two again). A damaged lone copy is repaired from the
+        database's journal of requests (`loraplex-admin models rebuild`). False: nothing was removed
+        (the newest state does not verify, or is not the one this process last wrote)."""
+        self.writer.flush(model_id)
+        newest, _ = newest_verified(self.live_dir, model_id)
+        if newest is None or newest.seq != self._expected.get(model_id):
+            return False
+        for path in slot_paths(self.live_dir, model_id):
+            if path != newest.path and store.exists(path):
+                store.delete(path)
+        self._newest[model_id] = newest
+        return True
 
     def captured_seq(self, model_id: str) -> int | None:
         """The seq_id of the model's newest captured state (gradients included, maybe still being written),

@@ -5,6 +5,7 @@ read (workers/trainer/residency.py) say what happened."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import prometheus_client
 import pytest
@@ -12,7 +13,9 @@ import torch
 
 from contract.queue import Cycle, Job
 from service.settings import Settings
-from tests.workers.trainer.test_eviction import TOKENS, run
+from storage.checkpoint_files import verify_training_state
+from storage.live_slots import read_slots
+from tests.workers.trainer.test_eviction import TOKENS, forward_backward, run
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 from workers.trainer.process_executor import ProcessExecutor
@@ -113,3 +116,41 @@ def test_an_engine_process_reports_its_residency_with_each_answer(tiny_model_pat
         assert stats.budget_bytes == int(ram * 0.25) and stats.resident_runs == 1 and stats.resident_bytes > 0
     finally:
         executor.close()
+
+
+def copies(executor: InProcessExecutor, model: str) -> int:
+    return sum(1 for slot in read_slots(executor.live.live_dir, model) if slot.manifest is not None)
+
+
+def test_a_paged_out_run_keeps_one_verified_copy_and_two_again_once_it_trains(tiny_model_path, tmp_path):
+    budget = one_run_bytes(tiny_model_path, tmp_path)
+    executor = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "paged", memory_budget=budget,
+                                 state_write_interval=0)
+    run(executor)  # "a" and "b" are paged out by the end, "c" is resident
+    for model in ("a", "b"):
+        assert model not in executor.engine.adapters and copies(executor, model) == 1
+        [slot] = [s for s in read_slots(executor.live.live_dir, model) if s.manifest]
+        verify_training_state(slot.path)
+    step, job = forward_backward("a", 5)
+    assert executor.run_cycle(Cycle(forward_backward=[step]), {step.id: job})[step.id].error is None
+    executor.live.writer.flush("a")
+    assert copies(executor, "a") == 2  # training again, its previous state is kept beside the newest
+    executor.close()
+
+
+def test_a_damaged_lone_copy_fails_its_run_alone_saying_how_to_repair(tiny_model_path, tmp_path):
+    from tests.workers.trainer.test_live_state_integrity import corrupt
+
+    budget = one_run_bytes(tiny_model_path, tmp_path)
+    executor = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "paged", memory_budget=budget)
+    run(executor)
+    [slot] = [s for s in read_slots(executor.live.live_dir, "a") if s.manifest]
+    corrupt(Path(slot.path), "flip")
+    mine, my_job = forward_backward("a", 5)
+    other, other_job = forward_backward("c", 5)
+    outcomes = executor.run_cycle(Cycle(forward_backward=[mine, other]), {mine.id: my_job, other.id: other_job})
+    assert outcomes[other.id].error is None
+    assert outcomes[mine.id].error["category"] == "server"
+    assert "failed its integrity check" in outcomes[mine.id].error["error"]
+    assert "loraplex-admin models rebuild a" in outcomes[mine.id].error["error"]
+    executor.close()
