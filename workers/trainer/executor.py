@@ -226,6 +226,16 @@ class InProcessExecutor:
         return {model_id for model_id, split in list(self._splits.items()) if not split.complete}
 
     def _run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
+        """The cycle in groups of runs that fit the memory budget together, one after another (one group
+        under the budget): each run's numbers are the same bits in any grouping (batch invariance)."""
+        models = list(dict.fromkeys(q.model_id for q in cycle.all()))
+        resident = {m: adapter.resident_bytes for m, adapter in self.engine.adapters.items()}
+        outcomes: dict[str, Outcome] = {}
+        for group in map(set, self.residency.groups(models, resident)):
+            outcomes.update(self._run_group(cycle.keeping(lambda q: q.model_id in group), jobs))
+        return outcomes
+
+    def _run_group(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
         for q in cycle.all():  # another request of the model: the one it ran in parts is over (or given up)
             if q.model_id in self._splits and self._splits[q.model_id].request_id != q.id:
                 del self._splits[q.model_id]
@@ -400,7 +410,15 @@ class InProcessExecutor:
 
     def _create_model(self, job: Job, body: CreateModelPayload) -> Outcome:
         model_id = job.request.model_id
-        self.engine.create_adapter(model_id, body.lora_config)
+        adapter = self.engine.create_adapter(model_id, body.lora_config)
+        stepped = 4 * adapter.flat_weights.numel() * adapter.flat_weights.element_size()  # + gradients, 2 moments
+        if self.residency.budget_bytes and stepped > self.residency.budget_bytes:
+            self.engine.delete_adapter(model_id)
+            raise InvalidInputError("lora_config.rank", (
+                f"a rank-{body.lora_config.rank} run of this base model holds {stepped / 2**20:.1f} MiB in training "
+                f"(weights, gradients, two AdamW moments), more than this trainer's memory budget of "
+                f"{self.residency.budget_bytes / 2**20:.1f} MiB; use a smaller rank (the operator sets the budget: "
+                "LORAPLEX_TRAINER_MEMORY_BUDGET)"))
         self.live.persist(model_id, job.request.seq_id, resets=True)
         return Outcome.json({"model_id": model_id, "type": job.request.kind})
 

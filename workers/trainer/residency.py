@@ -8,7 +8,9 @@ if it had never left. The executor pages out before a cycle loads its runs, usin
 incoming run held when it left (a run never resident in this process counts as 0 until loaded:
 after a restart the first cycles can pass the budget by their own runs, and the budget is checked
 again once they are in). A cycle's own runs, and runs halfway through a request in parts, are never
-paged out: a cycle whose runs alone exceed the budget runs over it.
+paged out. A cycle whose runs together exceed the budget runs in groups that fit (`groups`), one
+after another; a lone run larger than the budget still runs, over it, and create_model refuses a
+run whose stepped state could never fit (docs/memory.md).
 
 The budget: `budget_bytes` given, else a fraction of the memory the adapters live in (the GPU's on
 CUDA, the machine's RAM on CPU); 0 keeps every run resident. Operators read the numbers at /metrics
@@ -93,6 +95,25 @@ class Residency:
             total -= resident[model_id]
             count -= 1
         return victims
+
+    def groups(self, model_ids: list[str], resident: dict[str, int]) -> list[list[str]]:
+        """A cycle's runs, in order, cut into groups whose state (and count) fits the budget together: the executor runs
+        them one group after another, so a cycle of more runs than memory holds queues instead of running
+        over (a run alone larger than the budget is a group of its own). One group without a budget, or
+        while sizes are unknown (a run never resident here counts 0)."""
+        if not self.limited:
+            return [model_ids]
+        groups: list[list[str]] = [[]]
+        total = 0
+        for model_id in model_ids:
+            size = resident.get(model_id, self._paged.get(model_id, 0))
+            over_bytes = self.budget_bytes and total + size > self.budget_bytes
+            if groups[-1] and (over_bytes or (self.max_runs and len(groups[-1]) >= self.max_runs)):
+                groups.append([])
+                total = 0
+            groups[-1].append(model_id)
+            total += size
+        return groups
 
     def paged_out(self, model_id: str, nbytes: int) -> None:
         self._used.pop(model_id, None)

@@ -44,11 +44,15 @@ def history():
         yield [forward_backward(model, 4, forward_only=True)]
 
 
-def run(executor: InProcessExecutor) -> tuple[dict[str, list[float]], int]:
-    """Forward logprobs per model, and the most adapters resident besides those of a cycle."""
+def run(executor: InProcessExecutor, budget_after_creates: int | None = None) -> tuple[dict[str, list[float]], int]:
+    """Forward logprobs per model, and the most adapters resident besides those of a cycle.
+    `budget_after_creates`: the memory budget from the first forward_backward on (create_model refuses
+    a run that could never fit the budget it is created under)."""
     logprobs, most_idle_resident = {}, 0
     for step in history():
         kind = step[0][0].kind
+        if kind == "forward_backward" and budget_after_creates is not None:
+            executor.residency.budget_bytes = budget_after_creates
         cycle = Cycle(forward_backward=[q for q, _ in step] if kind in ("forward", "forward_backward") else [],
                       optim_steps=[q for q, _ in step] if kind == "optim_step" else [],
                       others=[q for q, _ in step] if kind == "create_model" else [])

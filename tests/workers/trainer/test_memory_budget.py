@@ -15,7 +15,7 @@ from contract.queue import Cycle, Job
 from service.settings import Settings
 from storage.checkpoint_files import verify_training_state
 from storage.live_slots import read_slots
-from tests.workers.trainer.test_eviction import TOKENS, forward_backward, run
+from tests.workers.trainer.test_eviction import TOKENS, forward_backward, request, run
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.executor import InProcessExecutor
 from workers.trainer.process_executor import ProcessExecutor
@@ -49,11 +49,12 @@ def test_a_budget_for_one_run_pages_the_others_and_changes_no_bit(tiny_model_pat
 
 
 def test_a_cycle_whose_own_runs_exceed_the_budget_still_runs(tiny_model_path, tmp_path):
-    """The history steps all three runs in one cycle: with room for less than one they all load for it."""
+    """The history steps all three runs in one cycle: with room for less than one (the budget lowered since
+    they were created) each runs alone, over the budget."""
     kept, _ = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "all"))
-    tight = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "tight", memory_budget=1)
-    moved, idle = run(tight)
-    assert moved == kept and idle == 0
+    tight = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "tight")
+    moved, _ = run(tight, budget_after_creates=1)
+    assert moved == kept and len(tight.engine.adapters) == 1  # the last cycle's run alone
     tight.close()
 
 
@@ -153,4 +154,45 @@ def test_a_damaged_lone_copy_fails_its_run_alone_saying_how_to_repair(tiny_model
     assert outcomes[mine.id].error["category"] == "server"
     assert "failed its integrity check" in outcomes[mine.id].error["error"]
     assert "loraplex-admin models rebuild a" in outcomes[mine.id].error["error"]
+    executor.close()
+
+
+def test_a_cycle_of_more_runs_than_the_budget_holds_runs_them_in_groups_that_fit(tiny_model_path, tmp_path,
+                                                                                 monkeypatch):
+    """Three runs' forward_backwards in one cycle, room for one: one engine call per run, each with only
+    its own run in memory, and every run's numbers those of a trainer without a budget."""
+    def train_together(executor, budget: int = 0):
+        for model in TOKENS:
+            create, job = request(model, 0, "create_model", b'{"lora_config": {"rank": 4, "seed": 3}}')
+            assert executor.run_cycle(Cycle(others=[create]), {create.id: job})[create.id].error is None
+        executor.residency.budget_bytes = budget  # (one under which they could not have been created)
+        steps = [forward_backward(model, 1) for model in TOKENS]
+        outcomes = executor.run_cycle(Cycle(forward_backward=[q for q, _ in steps]), {q.id: j for q, j in steps})
+        return {q.model_id: outcomes[q.id].result for q, _ in steps}
+
+    free = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "free")
+    expected = train_together(free)
+    budget = max(a.resident_bytes for a in free.engine.adapters.values())  # one run after a forward_backward
+    free.close()
+    tight = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "tight")
+    calls = []
+    engine_call = tight.engine.forward_backward
+
+    def recording(requests):
+        calls.append(({r.adapter_id for r in requests}, len(tight.engine.adapters)))
+        return engine_call(requests)
+
+    monkeypatch.setattr(tight.engine, "forward_backward", recording)
+    assert train_together(tight, budget) == expected
+    assert calls == [({"a"}, 1), ({"b"}, 1), ({"c"}, 1)]
+    tight.close()
+
+
+def test_a_run_whose_state_could_never_fit_is_refused_at_create_model(tiny_model_path, tmp_path):
+    executor = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "live", memory_budget=10_000)
+    create, job = request("big", 0, "create_model", b'{"lora_config": {"rank": 16}}')
+    outcome = executor.run_cycle(Cycle(others=[create]), {create.id: job})[create.id]
+    assert outcome.error["category"] == "user"
+    assert outcome.error["error"].startswith("lora_config.rank: a rank-16 run of this base model holds")
+    assert "memory budget of 0.0 MiB" in outcome.error["error"] and "big" not in executor.engine.adapters
     executor.close()
