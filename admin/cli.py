@@ -12,6 +12,7 @@ dir) and the distributed one (LORAPLEX_DATABASE_URL=postgresql+psycopg://...) al
     loraplex-admin models state MODEL_ID           # its stored training state, verified, and what a rebuild uses
     loraplex-admin models rebuild MODEL_ID         # after "cannot be restored": last verified base + replay
     loraplex-admin checkpoints list --json         # every list command: --json for scripts
+    loraplex-admin trainers                        # the running trainers' memory: resident, paged, page-ins
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import typer
 from admin.common import console, session, sessions, state, tenant_named
 from admin.models_cli import _checkpoint, models_app
 from admin.operator_keys_cli import operator_keys_app
+from admin.trainers_cli import trainers
 from admin.output import JSON_OPTION, human_bytes, show
 from db import usage as usage_queries
 from db.models import QUOTA_FIELDS, ApiKey, Checkpoint, Quota, Tenant, TrainingModel, utcnow
@@ -271,6 +273,9 @@ def usage(tenant: str | None = typer.Option(None), days: int = typer.Option(1, m
                              "storage_bytes": u.storage_bytes, "live_models": u.live_models, "in_flight": u.requests_in_flight})
     show(f"usage (tokens: last {days} day(s))", rows, ["tenant", "tokens_trained", "tokens_sampled", "storage_bytes",
                                                        "live_models", "in_flight"], as_json, shown={"storage_bytes": human_bytes})
+
+
+app.command("trainers")(trainers)
 
 
 if __name__ == "__main__":

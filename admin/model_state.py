@@ -129,6 +129,9 @@ class _ReplayOnto:
     def place(self, model_ids: set[str]) -> set[str]:
         return set()  # the base is in the engine already
 
+    def trainer_memory(self) -> dict:
+        return {}  # a repair's engine serves no one
+
     def close(self) -> None:
         pass  # `rebuild` closes the executor it wraps
 

@@ -45,7 +45,7 @@ def _engine(model: TrainingModel):
 def refuse_while_served(s: Session, model_id: str, what: str) -> None:
     """Fail while a scheduler beats on this database (scheduler/liveness.py): the engines it feeds hold
     the models' weights in memory and write them out after each step, over what this command wrote."""
-    from scheduler.liveness import live_schedulers
+    from db.scheduler_beats import live_schedulers
 
     running = live_schedulers(s)
     if running:

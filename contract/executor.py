@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from contract.queue import Cycle, Job, Outcome
+from contract.residency import ResidencyStats
 
 
 class Executor(Protocol):
@@ -30,6 +31,11 @@ class Executor(Protocol):
     def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
         """The seq_id the model's stored state reflects (None: none stored); `at_most`: the seq_id the
         database holds as applied (a newer stored state is never used)."""
+        ...
+
+    def trainer_memory(self) -> dict[str, ResidencyStats]:
+        """What each trainer engine it feeds holds in memory and has paged out, by a name an operator
+        recognises (contract/residency.py). Cheap: called with every beat of the scheduler."""
         ...
 
     def close(self) -> None:

@@ -373,3 +373,5 @@ class SchedulerBeat(Base):
     pid: Mapped[int]
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     beat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # trainer name -> contract.residency.ResidencyStats (as JSON) of the trainers it feeds, as of beat_at
+    trainers: Mapped[dict[str, Any] | None] = _json(nullable=True)

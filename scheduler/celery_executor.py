@@ -1,9 +1,9 @@
 """An executor that runs cycles on Celery trainer workers (service/celery_worker.py).
 
-Placement: a model sticks to one worker (its gradients and Adam state live there); a model seen
-for the first time, or whose worker is gone, goes to the live worker with the fewest models.
-Rebalancing: a model about to run on a worker holding at least two models more than the least
-loaded one moves there first (e.g. when a worker joins): the old worker writes its full state,
+Placement (scheduler/placement.py decides): a model sticks to one worker (its gradients and Adam
+state live there); a model seen for the first time, or whose worker is gone, goes to the live worker
+with the fewest models; a model about to run on a worker holding at least two models more than the
+least loaded one moves there first (e.g. when a worker joins): the old worker writes its full state,
 gradients included, to the shared store and drops it; the new one loads it on use, so the numbers
 are those of staying put. The placement is kept in Redis, so it survives a scheduler restart. A
 cycle is split per worker; the parts run at the same time, one Celery task each.
@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections import Counter
 from pathlib import Path
 
 from contract.queue import Cycle, Job, Outcome
 from contract.redis_keys import EVICT_TASK, PLACEMENT, RESULT_TTL_SECONDS, TASK, cycle_done_key, cycle_key, worker_key
+from contract.residency import ResidencyStats
 from messaging.celery_app import live_registrations, make_app
+from scheduler.placement import place_models
 from storage.live_slots import newest_verified, read_slots
 
 
@@ -73,6 +74,11 @@ class CeleryExecutor:
             time.sleep(0.2)
         return workers
 
+    def trainer_memory(self) -> dict[str, ResidencyStats]:
+        """As each live worker's last heartbeat said (service/celery_worker.py)."""
+        return {worker: ResidencyStats.from_json(record["residency"])
+                for worker, record in self.live_workers().items() if "residency" in record}
+
     def placement(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.redis.hgetall(PLACEMENT).items()}
 
@@ -83,32 +89,21 @@ class CeleryExecutor:
             workers = self._wait_for_workers()
         except WorkerLost:
             return set()  # run_cycle fails the cycle clearly
-        placed = self.placement()
-        load = Counter(w for w in placed.values() if w in workers)  # models per live worker
         # Halfway through a request run in parts, a model stays: its worker holds those parts' gradients
         # and results, which a move would not carry. The workers' own word covers a restarted scheduler.
         splitting = self._splitting | {m for w in workers.values() for m in w.get("splitting", ())}
         lost = set()
-        for model_id in sorted(model_ids):
-            current = placed.get(model_id)
-            least = min(workers, key=lambda w: (load[w], w))
-            if current not in workers:
-                if current is not None:
-                    lost.add(model_id)
-            elif load[current] - load[least] >= 2 and model_id not in splitting:
+        for change in place_models(model_ids, self.placement(), set(workers), splitting):
+            if change.lost:
+                lost.add(change.model_id)
+            elif change.moved:
                 try:
-                    self.move(model_id, least, workers)
-                    if not self._newest_state_verifies(model_id):  # the new worker would load an older one
-                        lost.add(model_id)
+                    self.move(change.model_id, change.worker, workers)
+                    if not self._newest_state_verifies(change.model_id):  # the new worker would load an older one
+                        lost.add(change.model_id)
                 except WorkerLost:
-                    lost.add(model_id)  # it died while writing the state out: replay, as for any lost worker
-            else:
-                continue
-            placed[model_id] = least
-            load[least] += 1
-            if current in workers:
-                load[current] -= 1
-            self.redis.hset(PLACEMENT, model_id, least)
+                    lost.add(change.model_id)  # it died while writing the state out: replay, as for any lost worker
+            self.redis.hset(PLACEMENT, change.model_id, change.worker)
         return lost
 
     def move(self, model_id: str, target: str, workers: dict[str, dict] | None = None) -> None:

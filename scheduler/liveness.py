@@ -6,7 +6,7 @@ their steps. An operator's change to a model's stored state made meanwhile (`lor
 reset`) would be written over by the next step, and so silently lost: the tool refuses while a
 scheduler beats here. The database is what every deployment shares (SQLite beside the embedded
 server, Postgres in distributed mode), so the check needs no other connection. The row goes when
-the scheduler stops; one killed leaves its row, stale after STALE_SECONDS.
+the scheduler stops; one killed leaves its row, stale after db/scheduler_beats.py's STALE_SECONDS.
 """
 
 from __future__ import annotations
@@ -15,31 +15,34 @@ import logging
 import os
 import socket
 import threading
-from datetime import timedelta
+from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
+from contract.residency import ResidencyStats
 from db.models import SchedulerBeat, utcnow
 
 log = logging.getLogger(__name__)
 
-BEAT_SECONDS = 2.0
-STALE_SECONDS = 10.0  # several missed beats: the process is gone (or stalled past any use)
+BEAT_SECONDS = 2.0  # (db/scheduler_beats.py reads a row as gone after STALE_SECONDS)
 
 
 class Heartbeat:
-    """Keeps this process's row fresh from a daemon thread, from start() to stop()."""
+    """Keeps this process's row fresh from a daemon thread, from start() to stop(); with each beat, the
+    memory of the trainers it feeds (`trainers`), for operators (`loraplex-admin trainers`)."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session],
+                 trainers: Callable[[], dict[str, ResidencyStats]] | None = None) -> None:
         self.sessions = sessions
+        self.trainers = trainers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._id: str | None = None
 
     def start(self) -> None:
         with self.sessions() as s:
-            row = SchedulerBeat(host=socket.gethostname(), pid=os.getpid())
+            row = SchedulerBeat(host=socket.gethostname(), pid=os.getpid(), trainers=self._trainers())
             s.add(row)
             s.commit()
             self._id = row.id
@@ -49,11 +52,16 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_SECONDS):
             try:
+                trainers = self._trainers()
                 with self.sessions() as s:
-                    s.execute(sa.update(SchedulerBeat).where(SchedulerBeat.id == self._id).values(beat_at=utcnow()))
+                    s.execute(sa.update(SchedulerBeat).where(SchedulerBeat.id == self._id)
+                              .values(beat_at=utcnow(), trainers=trainers))
                     s.commit()
             except Exception:  # the database away for a moment: the next beat tries again
                 log.exception("scheduler beat failed")
+
+    def _trainers(self) -> dict | None:
+        return {name: stats.to_json() for name, stats in self.trainers().items()} if self.trainers else None
 
     def stop(self) -> None:
         self._stop.set()
@@ -63,11 +71,3 @@ class Heartbeat:
             with self.sessions() as s:
                 s.execute(sa.delete(SchedulerBeat).where(SchedulerBeat.id == self._id))
                 s.commit()
-
-
-def live_schedulers(s: Session) -> list[SchedulerBeat]:
-    """The schedulers that beat within STALE_SECONDS (stale rows are deleted on the way)."""
-    cutoff = utcnow() - timedelta(seconds=STALE_SECONDS)
-    s.execute(sa.delete(SchedulerBeat).where(SchedulerBeat.beat_at < cutoff))
-    s.commit()
-    return list(s.scalars(sa.select(SchedulerBeat).order_by(SchedulerBeat.started_at)))

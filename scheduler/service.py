@@ -97,7 +97,8 @@ class SchedulerService:
         self._thread: threading.Thread | None = None
         # model -> the ids of its requests to replay, in seq_id order (`recover`); it runs nothing else meanwhile
         self.replaying: dict[str, deque[str]] = {}
-        self.heartbeat = Heartbeat(sessions)  # says in the database that a scheduler runs (scheduler/liveness.py)
+        # says in the database that a scheduler runs, and what its trainers hold (scheduler/liveness.py)
+        self.heartbeat = Heartbeat(sessions, executor.trainer_memory)
 
     # --- feeding ---------------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ gradients twice); the scheduler fails it instead.
 from __future__ import annotations
 
 import pickle
-from dataclasses import asdict
 
 import prometheus_client
 from celery import signals
@@ -51,7 +50,7 @@ def _start(sender=None, **_) -> None:
     # "splitting": models halfway through a request run in parts here, which must not move away
     register_worker(_state["client"], sender, worker_key, info.name,
                     lambda: {"adapters": sorted(executor.engine.adapters), "splitting": sorted(executor.splitting()),
-                             "residency": asdict(executor.residency_stats())},
+                             "residency": executor.residency_stats().to_json()},
                     settings.worker_id)
     if settings.metrics_port:  # its residency (workers/trainer/residency.py); also in the heartbeat above
         publish(executor.residency_stats)

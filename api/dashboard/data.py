@@ -18,6 +18,7 @@ from contract.kinds import RequestKind
 from db import run_metrics, usage
 from db.models import QUOTA_FIELDS, Checkpoint, CheckpointKind, Quota, Request, RequestState, Sampler, Tenant, TrainingModel
 from db.models import utcnow
+from db.scheduler_beats import trainer_memory
 from db.usage import TRAINING_KINDS, day_start
 
 router = APIRouter(prefix="/dashboard/api")
@@ -184,8 +185,10 @@ def admin_overview(viewer: AdminViewer, db: DB) -> dict:
                         .group_by(Request.started_at).order_by(Request.started_at.desc()).limit(100))
     pending = db.execute(sa.select(sa.func.count(), sa.func.min(Request.created_at)).where(
         Request.kind == RequestKind.SAMPLE, Request.state == RequestState.PENDING)).one()
+    trainers = [dict(row, as_of=iso(row["as_of"])) for row in trainer_memory(db)]
     return {
         "tenants": tenants,
+        "trainers": trainers,
         "cycles": [{"started_at": iso(at), "requests": n, "tenants": t, "tokens": int(tokens or 0)}
                    for at, n, t, tokens in cycles],
         "sampler": {"pending": pending[0],

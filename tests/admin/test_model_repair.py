@@ -8,11 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from admin.cli import app
-from db.models import Tenant
 from storage.live_slots import read_slots
 from tests.workers.trainer.test_live_state_integrity import corrupt
 from tests.scheduler.test_live_state_recovery import SETTINGS, train
@@ -51,33 +49,25 @@ def step(server, key: str, model_id: str, seq_id: int) -> dict:
     return post(server, key, "optim_step", seq_id, model_id, adam_params={"learning_rate": 0.01})
 
 
-def test_no_usable_state_fails_clearly_and_a_rebuild_from_create_model_repairs_it(tmp_path):
+def test_a_rebuild_from_create_model_repairs_a_model_with_no_usable_state(tmp_path):
+    """With the server down. (A running server makes such a model again from its create_model by
+    itself: tests/scheduler/test_live_state_recovery.py; what cannot be made again fails, saying what to
+    do: tests/workers/trainer/test_live_state_integrity.py.)"""
     with running_server(tmp_path, **SETTINGS) as first:
         key, tc = train(first)  # create 0, fb 1, step 2, fb 3, step 4, fb 5
     damage_both(tmp_path, tc.model_id)
 
-    with running_server(tmp_path, **SETTINGS) as second:
-        failed = step(second, key, tc.model_id, 6)
-        with second.embedded.sessions() as s:
-            tenant_ids = list(s.scalars(sa.select(Tenant.id)))
-        assert failed["category"] == "server"
-        message = failed["error"]
-        assert message.startswith(f"the training state of model {tc.model_id} cannot be restored: ")
-        assert "(after seq_id 5): state.safetensors failed its integrity check" in message
-        assert "(after seq_id 4): state.safetensors failed its integrity check" in message
-        assert f"loraplex-admin models rebuild {tc.model_id}" in message
-        assert str(tmp_path) not in message and not any(t in message for t in tenant_ids)
+    state = admin(tmp_path, "models", "state", tc.model_id)
+    slots, usable = state.split("bases a rebuild could start from")
+    assert slots.count("failed its integrity check") == 2
+    rows = [[cell.strip() for cell in line.split("│")[1:4]] for line in usable.splitlines() if "│" in line]
+    assert ["its create_model (seq_id 0)", "0", "yes"] in rows
+    out = admin(tmp_path, "models", "rebuild", tc.model_id)
+    assert "rebuilding from its create_model (seq_id 0)" in out and "rebuilt (5 requests replayed)" in out
 
-        state = admin(tmp_path, "models", "state", tc.model_id)
-        slots, usable = state.split("bases a rebuild could start from")
-        assert slots.count("failed its integrity check") == 2
-        rows = [[cell.strip() for cell in line.split("│")[1:4]] for line in usable.splitlines() if "│" in line]
-        assert ["its create_model (seq_id 0)", "0", "yes"] in rows
-        out = admin(tmp_path, "models", "rebuild", tc.model_id)
-        assert "rebuilding from its create_model (seq_id 0)" in out and "rebuilt (5 requests replayed)" in out
-        # the failed step had no effect; the gradient of seq_id 5 is back
-        assert "metrics" in step(second, key, tc.model_id, 7)
-        assert_same_as_uninterrupted(second, key, tc.model_id, 8, seeds=[0, 1, 2])
+    with running_server(tmp_path, **SETTINGS) as second:
+        assert "metrics" in step(second, key, tc.model_id, 6)  # the gradient of seq_id 5 is back
+        assert_same_as_uninterrupted(second, key, tc.model_id, 7, seeds=[0, 1, 2])
 
 
 def test_a_rebuild_starts_from_the_latest_checkpoint_the_model_saved(tmp_path):
@@ -98,9 +88,6 @@ def test_reset_makes_a_named_checkpoint_the_models_state(tmp_path):
     with running_server(tmp_path, **SETTINGS) as server:
         key, tc = train(server)
         early = post(server, key, "save_weights", 6, tc.model_id, path="early")["path"]
-        server.embedded.executor.evict(tc.model_id)  # out of memory (its state written), then damaged
-        damage_both(tmp_path, tc.model_id)
-        assert "cannot be restored" in step(server, key, tc.model_id, 7)["error"]
         # a running server would write over the reset with its next step: refused while it runs
         assert "not reset: a Loraplex scheduler is running" in admin(
             tmp_path, "models", "reset", tc.model_id, early, "--yes", ok=False)
@@ -111,7 +98,7 @@ def test_reset_makes_a_named_checkpoint_the_models_state(tmp_path):
     with running_server(tmp_path, **SETTINGS) as server:
         # from the checkpoint (two rounds: seeds 0 and 1), without the pending gradient of seq_id 5
         with http_client(server, key) as http:
-            r = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 8, sft_data(3)), headers=PROTOBUF)
+            r = http.post("/api/v1/forward_backward", content=proto_body(tc.model_id, 7, sft_data(3)), headers=PROTOBUF)
             assert wait_result(http, r.json()["request_id"]).status_code == 200
-        assert "metrics" in step(server, key, tc.model_id, 9)
-        assert_same_as_uninterrupted(server, key, tc.model_id, 10, seeds=[0, 1, 3])
+        assert "metrics" in step(server, key, tc.model_id, 8)
+        assert_same_as_uninterrupted(server, key, tc.model_id, 9, seeds=[0, 1, 3])

@@ -55,14 +55,19 @@ def test_a_damaged_newest_state_is_rebuilt_from_the_previous_one_across_a_restar
         assert all(seq >= 6 for seq, path in stored(tmp_path, tc.model_id)[:1])  # written again since
 
 
-def test_a_damaged_state_of_an_evicted_model_is_rebuilt_on_a_running_server(tmp_path):
+def test_a_damaged_lone_copy_of_a_paged_out_model_is_made_again_from_the_journal(tmp_path):
+    """A run paged out keeps one verified copy (docs/memory.md). Damaged while it is out, it is made again
+    from its create_model (seeded: the same adapter) and the requests after it, which the database keeps;
+    the request that found the damage fails, saying so, and the next one runs on the rebuilt state."""
     with running_server(tmp_path, max_resident_adapters=1, **SETTINGS) as server:
         key, tc = train(server)
         other = tinker.ServiceClient(base_url=server.base_url, api_key=key).create_lora_training_client(
             base_model="tiny", rank=4, seed=6).result()
         other.forward_backward(sft_data(3), "cross_entropy").result()  # room for one: the first model goes out
-        (newest, newest_path), (previous, _) = stored(tmp_path, tc.model_id)
-        assert (newest, previous) == (5, 4)  # evicted as of seq_id 5, its pending gradient included
+        [(newest, newest_path)] = stored(tmp_path, tc.model_id)
+        assert newest == 5  # paged out as of seq_id 5, its pending gradient included: one copy
         corrupt(newest_path, "flip")
+        with pytest.raises(tinker.RequestFailedError, match="must be replayed onto it first; send the request again"):
+            tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
         tc.optim_step(types.AdamParams(learning_rate=0.01)).result()  # needs the gradient of 5: replayed
-        assert_same_as_uninterrupted(server, key, tc.model_id, 7, seeds=[0, 1, 2])
+        assert_same_as_uninterrupted(server, key, tc.model_id, 8, seeds=[0, 1, 2])

@@ -52,6 +52,7 @@ from contract.inputs import ForwardBackwardInput, from_wire
 from contract.kinds import RequestKind
 from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
 from contract.queue import Cycle, Job, Outcome
+from contract.residency import ResidencyStats
 from storage import store
 from storage.checkpoint_files import CheckpointError
 from storage.live_slots import LiveStateError
@@ -60,7 +61,7 @@ from workers.trainer.batch import EngineOutput
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.live_state import LiveStates
 from workers.trainer.parts import SplitRun
-from workers.trainer.residency import Residency, ResidencyStats
+from workers.trainer.residency import Residency
 from workers.trainer.run_metrics import forward_backward_metrics, optim_step_metrics
 
 log = logging.getLogger(__name__)
@@ -117,17 +118,22 @@ class InProcessExecutor:
         self.live.close()
 
     def place(self, model_ids: set[str]) -> set[str]:
-        """Load the models that are not in memory; those whose newest stored state failed its integrity
-        check and were restored from an older one: the scheduler replays their requests after it
-        (`durable_seq`) before they run again. (No engine dies in this process.)"""
+        """Load the models that are not in memory, but those this trainer paged out itself (they load with
+        their group in run_cycle, within the memory budget); of them, those whose newest stored state failed
+        its integrity check and were restored from an older one: the scheduler replays their requests after
+        it (`durable_seq`) before they run again. (No engine dies in this process.)"""
         if all(m in self.engine.adapters for m in model_ids):  # the usual case: no lock, no hop
             return set()
         with self._lock:
             return run_on(self._compute, lambda: self._restore_behind(model_ids), work="trainer")
 
     def _restore_behind(self, model_ids: set[str]) -> set[str]:
+        # A run this trainer paged out itself left its current state behind: it loads with its group in
+        # run_cycle (within the budget, counted as a page-in). The others (after a restart) load here.
+        missing = {m for m in model_ids - set(self.engine.adapters) if not self.residency.is_paged(m)}
+        self._page_out(keep=model_ids, incoming=missing)
         behind = set()
-        for model_id in sorted(model_ids - set(self.engine.adapters)):
+        for model_id in sorted(missing):
             try:
                 restored = self.live.restore(model_id)
             except LiveStateError:
@@ -159,6 +165,7 @@ class InProcessExecutor:
             except LiveStateError as e:
                 log.error("%s", e)
                 unavailable[model_id] = Outcome.failed(str(e), e.category)
+                self.residency.forget(model_id)  # (`place` tries it again, as any run not paged out here)
                 continue
             if restored is None:
                 unavailable[model_id] = Outcome.failed(
@@ -166,7 +173,8 @@ class InProcessExecutor:
                     f"load_weights failed, or its stored state was lost (an operator can rebuild it: "
                     f"`loraplex-admin models rebuild {model_id}`)", "user")
             elif restored.behind:
-                self.engine.delete_adapter(model_id)  # restored again, and replayed onto, before it runs
+                self.engine.delete_adapter(model_id)  # restored again by `place`, and replayed onto, before it runs
+                self.residency.forget(model_id)
                 unavailable[model_id] = Outcome.failed(
                     f"not run: the stored training state of model {model_id} was restored from an older copy "
                     f"(after seq_id {restored.seq}; {'; '.join(restored.problems) or 'the newer one was not found'}) "
@@ -192,6 +200,9 @@ class InProcessExecutor:
         adapters = list(self.engine.adapters.items())  # a copy: a cycle may add or drop one meanwhile
         return self.residency.stats({m: a.resident_bytes for m, a in adapters})
 
+    def trainer_memory(self) -> dict[str, ResidencyStats]:
+        return {"engine": self.residency_stats()}
+
     def evict(self, model_id: str) -> None:
         """Write the adapter's full state (gradients included) and drop it from memory."""
         with self._lock:
@@ -206,8 +217,10 @@ class InProcessExecutor:
         else:
             self.residency.forget(model_id)
         last_seq = self._last_seq.pop(model_id, None)
-        if last_seq is not None and self.live.captured_seq(model_id) != last_seq:  # else the stored state is current
+        if last_seq is not None and self.live.captured_seq(model_id) != last_seq:
             self.live.persist(model_id, last_seq, with_gradients=True)
+        else:  # captured already: written before the run leaves (another worker may load it next)
+            self.live.writer.flush(model_id)
         if paging:  # idle: one verified copy on disk is enough (docs/memory.md)
             self.live.compact(model_id)
         self.live.forget(model_id)
@@ -419,7 +432,7 @@ class InProcessExecutor:
                 f"(weights, gradients, two AdamW moments), more than this trainer's memory budget of "
                 f"{self.residency.budget_bytes / 2**20:.1f} MiB; use a smaller rank (the operator sets the budget: "
                 "LORAPLEX_TRAINER_MEMORY_BUDGET)"))
-        self.live.persist(model_id, job.request.seq_id, resets=True)
+        self.live.persist(model_id, job.request.seq_id, resets=True, started_by=RequestKind.CREATE_MODEL)
         return Outcome.json({"model_id": model_id, "type": job.request.kind})
 
     def _load_weights(self, job: Job, body: LoadWeightsPayload) -> Outcome:
@@ -428,7 +441,7 @@ class InProcessExecutor:
             self.engine.load_state(model_id, body.storage_path, with_optimizer=body.optimizer)
         except CheckpointError as e:  # named by its tinker:// path: the storage path holds the tenant's id
             raise CheckpointError(f"{body.tinker_path}: {e}") from None
-        self.live.persist(model_id, job.request.seq_id, resets=True)
+        self.live.persist(model_id, job.request.seq_id, resets=True, started_by=RequestKind.LOAD_WEIGHTS)
         return Outcome.json({"path": body.tinker_path, "model_id": model_id, "type": job.request.kind})
 
     def _save_weights(self, job: Job, body: SaveWeightsPayload) -> Outcome:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from contract.configs import LoraConfig
 from storage import store
 from storage.checkpoint_files import CheckpointError
 from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, newest_verified, read_slots, slot_paths
@@ -87,6 +88,9 @@ class LiveStates:
         self._newest: dict[str, Slot] = {}
         self._expected: dict[str, int] = {}  # model -> the seq_id its stored state should reflect
         self._lineage: dict[str, int | None] = {}  # model -> the seq_id its history started at
+        self._lineage_kind: dict[str, str | None] = {}  # model -> what started it: "create_model" / "load_weights"
+        # model -> the seq_id of the create_model it was made again from, none of its stored states verifying
+        self._recreated: dict[str, int] = {}
         # model -> the newest seq_id the database holds as applied, as the scheduler read it at recovery.
         # A stored state newer than that was written before its step's outcome was committed, and the
         # server stopped in between: the step runs again, so restoring that state would apply it twice.
@@ -100,18 +104,21 @@ class LiveStates:
     # --- writing ---------------------------------------------------------------------------------
 
     def persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False,
-                resets: bool = False) -> None:
+                resets: bool = False, started_by: str | None = None) -> None:
         """Capture the model's state as of `seq_id` now; write it before returning, or (wait=False) in the
         background (the capture is a copy). Every write of a model goes through the writer, so none overtakes
-        a newer one. `resets`: the state starts a new history (create_model, load_weights): both slots, waited for."""
+        a newer one. `resets`: the state starts a new history (create_model, load_weights: `started_by`):
+        both slots, waited for."""
         state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients)
         self._captured_at[model_id] = time.monotonic()
         self._unwritten.pop(model_id, None)
+        self._recreated.pop(model_id, None)
         if resets:
-            self._lineage[model_id] = seq_id
+            self._lineage[model_id], self._lineage_kind[model_id] = seq_id, started_by
         self._expected[model_id] = seq_id
         self._ceiling.pop(model_id, None)  # the model went on from a state the database agrees with
-        extra = {"seq_id": seq_id, "lineage_seq": self._lineage.get(model_id)}
+        extra = {"seq_id": seq_id, "lineage_seq": self._lineage.get(model_id),
+                 "lineage_kind": self._lineage_kind.get(model_id)}
         if resets:
             for path in slot_paths(self.live_dir, model_id):  # one after the other: one always holds a whole state
                 self.writer.submit(model_id, path, state, extra)
@@ -162,8 +169,30 @@ class LiveStates:
                 continue
             self._newest[model_id] = slot
             self._lineage[model_id] = slot.lineage
+            self._lineage_kind[model_id] = slot.manifest.get("extra", {}).get("lineage_kind")
             return Restored(slot.seq, expected, problems)
+        recreated = self._recreate(model_id, slots, ceiling)
+        if recreated is not None:
+            problems.append(f"made again from its create_model at seq_id {recreated}: the requests after it replay")
+            return Restored(recreated, expected, problems)
         raise cannot_restore(model_id, problems)
+
+    def _recreate(self, model_id: str, slots: list[Slot], ceiling: int | None) -> int | None:
+        """Where no stored state verifies but the newest readable manifest says the model's history began with
+        a create_model (whose adapter its seeded LoraConfig makes again, bit for bit), create it afresh: the
+        scheduler replays the requests after that create_model from the database, the journal of every run.
+        Its seq_id; None where the history began with a load_weights (`loraplex-admin models rebuild` can
+        start from that checkpoint)."""
+        newest = next((s for s in slots if s.manifest is not None), None)
+        extra = newest.manifest.get("extra", {}) if newest is not None else {}
+        seq = extra.get("lineage_seq")
+        if extra.get("lineage_kind") != "create_model" or seq is None or (ceiling is not None and seq > ceiling):
+            return None
+        self.engine.create_adapter(model_id, LoraConfig(**newest.manifest["lora_config"]))
+        self._newest.pop(model_id, None)
+        self._lineage[model_id], self._lineage_kind[model_id] = seq, "create_model"
+        self._recreated[model_id] = seq
+        return seq
 
     def restart_from(self, model_id: str, seq_id: int) -> None:
         """The scheduler replays the model's requests after `seq_id` onto its restored state now."""
@@ -179,7 +208,9 @@ class LiveStates:
             self._ceiling[model_id] = at_most
         ceiling = self._ceiling.get(model_id)
         known = self._newest.get(model_id)
-        if known is not None and (ceiling is None or known.seq <= ceiling):
+        if model_id in self._recreated:
+            seq = self._recreated[model_id]
+        elif known is not None and (ceiling is None or known.seq <= ceiling):
             seq = known.seq
         else:
             stored = [s for s in read_slots(self.live_dir, model_id)

@@ -17,9 +17,10 @@ import threading
 from pathlib import Path
 
 from contract.queue import Cycle, Job, Outcome
+from contract.residency import ResidencyStats
 from storage import store
 from workers.trainer.executor import InProcessExecutor
-from workers.trainer.residency import ResidencyStats, memory_budget
+from workers.trainer.residency import memory_budget
 from workers.trainer.shared_prefix import MIN_SHARED_TOKENS
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class ProcessExecutor:
     def residency_stats(self) -> ResidencyStats:
         """As of the child's last answer (workers/trainer/residency.py)."""
         return self._residency
+
+    def trainer_memory(self) -> dict[str, ResidencyStats]:
+        return {"engine process": self._residency}
 
     def place(self, model_ids: set[str]) -> set[str]:
         """Of these models, those a dead engine process held, and those the child restored from an older

@@ -22,13 +22,15 @@ docs/memory.md.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import REGISTRY, Collector
+
+from contract.residency import WINDOW_SECONDS, ResidencyStats
 
 
 def memory_budget(budget_bytes: int | None, fraction: float, device: torch.device) -> int:
@@ -42,21 +44,6 @@ def memory_budget(budget_bytes: int | None, fraction: float, device: torch.devic
     return int(total * fraction)
 
 
-@dataclass(frozen=True)
-class ResidencyStats:
-    budget_bytes: int
-    resident_runs: int
-    resident_bytes: int
-    paged_runs: int  # paged out by this trainer and not used since
-    page_ins: int
-    page_in_seconds: float  # all page-ins together
-    page_outs: int
-
-    @classmethod
-    def empty(cls) -> ResidencyStats:
-        return cls(0, 0, 0, 0, 0, 0.0, 0)
-
-
 class Residency:
     """The least-recently-used order of the resident runs, and what to page out to stay in budget."""
 
@@ -68,6 +55,7 @@ class Residency:
         self.page_ins = 0
         self.page_in_seconds = 0.0
         self.page_outs = 0
+        self._recent: deque[tuple[float, float]] = deque()  # (monotonic time, seconds) of recent page-ins
 
     @property
     def limited(self) -> bool:
@@ -115,6 +103,10 @@ class Residency:
             total += size
         return groups
 
+    def is_paged(self, model_id: str) -> bool:
+        """Paged out by this trainer, and not used since."""
+        return model_id in self._paged
+
     def paged_out(self, model_id: str, nbytes: int) -> None:
         self._used.pop(model_id, None)
         self._paged[model_id] = nbytes
@@ -124,6 +116,7 @@ class Residency:
         if self._paged.pop(model_id, None) is not None:
             self.page_ins += 1
             self.page_in_seconds += seconds
+            self._recent.append((time.monotonic(), seconds))
         self.used(model_id)
 
     def forget(self, model_id: str) -> None:
@@ -132,8 +125,12 @@ class Residency:
         self._paged.pop(model_id, None)
 
     def stats(self, resident: dict[str, int]) -> ResidencyStats:
+        while self._recent and self._recent[0][0] < time.monotonic() - WINDOW_SECONDS:
+            self._recent.popleft()
+        recent = list(self._recent)  # (a copy: another thread may page in meanwhile)
         return ResidencyStats(self.budget_bytes, len(resident), sum(resident.values()), len(self._paged),
-                              self.page_ins, self.page_in_seconds, self.page_outs)
+                              sum(self._paged.values()), self.page_ins, self.page_in_seconds, self.page_outs,
+                              len(recent), sum(seconds for _, seconds in recent))
 
 
 class ResidencyMetrics(Collector):
@@ -152,6 +149,7 @@ class ResidencyMetrics(Collector):
             ("loraplex_trainer_resident_bytes", "Bytes of training state (weights, gradients, AdamW moments) "
              + "in the trainers' memory", "resident_bytes"),
             ("loraplex_trainer_paged_runs", "Training runs paged out to the store and not used since", "paged_runs"),
+            ("loraplex_trainer_paged_bytes", "Bytes of those runs' state, as it left memory", "paged_bytes"),
         ):
             yield GaugeMetricFamily(name, doc, value=sum(getattr(s, field) for s in stats))
         yield SummaryMetricFamily("loraplex_trainer_page_in_seconds", "Reading a paged-out run's state back in",

@@ -1,5 +1,6 @@
 "use strict";
-// The operator's view: every tenant's load and quota use, the scheduler's cycles, the sampler's queue.
+// The operator's view: every tenant's load and quota use, the trainers' memory, the scheduler's cycles,
+// the sampler's queue.
 (() => {
   const {el, number} = Dash;
   const chartsNode = document.getElementById("charts");
@@ -16,7 +17,15 @@
   }
 
   async function refresh() {
-    const {tenants, cycles, sampler} = await Dash.getJSON("/admin/overview");
+    const {tenants, cycles, sampler, trainers} = await Dash.getJSON("/admin/overview");
+    Dash.fillTable(document.querySelector("#trainers tbody"), trainers.map((t) => el("tr", {},
+      el("td", {title: t.scheduler}, t.trainer), el("td", {className: "num"}, t.budget_bytes ? Dash.bytes(t.budget_bytes) : "none"),
+      el("td", {className: "num"}, number(t.resident_runs)), el("td", {className: "num"}, Dash.bytes(t.resident_bytes)),
+      el("td", {className: "num"}, number(t.paged_runs)), el("td", {className: "num"}, Dash.bytes(t.paged_bytes)),
+      el("td", {className: "num"}, number(t.page_ins_last_minute)),
+      el("td", {className: "num"}, t.mean_page_in_seconds === null ? "–" : `${number(t.mean_page_in_seconds * 1000)} ms`),
+      el("td", {className: "num"}, `${number(t.page_ins)} / ${number(t.page_outs)}`))),
+      document.getElementById("no-trainers"));
     Dash.fillTable(document.querySelector("#tenants tbody"), tenants.map((t) => el("tr", {dataset: {tenantId: t.tenant_id}},
       el("td", {}, t.name, t.disabled ? el("span", {className: "status deleted"}, " disabled") : null),
       el("td", {className: "num"}, number(t.live_models)),

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from contract.queue import Cycle
 from storage.checkpoint_files import verify_training_state
@@ -123,22 +124,48 @@ def test_a_state_from_before_a_load_weights_is_never_a_base(executor, tmp_path):
     assert "predates the create_model or load_weights at seq_id 8" in outcome.error["error"]
 
 
+def loaded(executor: InProcessExecutor, tmp_path: Path, model: str = "c") -> None:
+    """trained(), then a load_weights of its own checkpoint at seq_id 8 (a history that begins with a load),
+    and an evict."""
+    trained(executor, model)
+    checkpoint = tmp_path / "ckpt"
+    assert executor.place({model}) == set()
+    executor.engine.save_state(model, checkpoint)
+    q, job = request(model, 8, "load_weights", json.dumps({"storage_path": str(checkpoint), "optimizer": True,
+                                                           "tinker_path": "tinker://run/weights/ckpt"}).encode())
+    assert executor.run_cycle(Cycle(others=[q]), {q.id: job})[q.id].error is None
+    executor.evict(model)
+
+
 def test_a_model_without_usable_state_fails_alone_and_says_what_to_do(executor, tmp_path):
-    trained(executor, "c")
+    loaded(executor, tmp_path, "c")
     create(executor, "b")
     for slot in ("c", "c.alt"):
         corrupt(Path(executor.live.live_dir, slot), "truncate")
-    broken, broken_job = forward_backward("c", 8, forward_only=True)
+    broken, broken_job = forward_backward("c", 9, forward_only=True)
     fine, fine_job = forward_backward("b", 1, forward_only=True)
     outcomes = executor.run_cycle(Cycle(forward_backward=[broken, fine]), {broken.id: broken_job, fine.id: fine_job})
     assert outcomes[fine.id].error is None
     message = outcomes[broken.id].error["error"]
     assert outcomes[broken.id].error["category"] == "server"
     assert message.startswith("the training state of model c cannot be restored: ")
-    assert "the alternate copy (after seq_id 7): state.safetensors failed its integrity check" in message
-    assert "the main copy (after seq_id 6): state.safetensors failed its integrity check" in message
+    assert "the main copy (after seq_id 8): state.safetensors failed its integrity check" in message
+    assert "the alternate copy (after seq_id 8): state.safetensors failed its integrity check" in message
     assert "loraplex-admin models rebuild c" in message and "load_state" in message
     assert str(tmp_path) not in message  # file names within the state, never the server's paths
+
+
+def test_a_model_begun_by_create_model_without_usable_state_is_made_again_for_a_replay(executor, tiny_model_path):
+    """Its create_model's seeded config makes the same adapter again; `place` reports it, so that the
+    scheduler replays every request after the create_model from the database."""
+    trained(executor, "c")
+    for slot in ("c", "c.alt"):
+        corrupt(Path(executor.live.live_dir, slot), "truncate")
+    assert executor.place({"c"}) == {"c"}
+    assert executor.durable_seq("c") == 0
+    fresh = TrainerEngine(tiny_model_path, max_rank=16)
+    fresh.create_adapter("c", executor.engine.adapter("c").config)
+    assert torch.equal(executor.engine.adapter("c").flat_weights, fresh.adapter("c").flat_weights)
 
 
 def test_the_celery_scheduler_replays_from_the_newest_state_that_verifies(executor):

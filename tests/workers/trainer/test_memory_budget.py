@@ -139,7 +139,8 @@ def test_a_paged_out_run_keeps_one_verified_copy_and_two_again_once_it_trains(ti
     executor.close()
 
 
-def test_a_damaged_lone_copy_fails_its_run_alone_saying_how_to_repair(tiny_model_path, tmp_path):
+def test_a_damaged_lone_copy_fails_its_request_alone_and_is_made_again(tiny_model_path, tmp_path):
+    """The run's history began with a create_model: `place` makes it again for the scheduler's replay."""
     from tests.workers.trainer.test_live_state_integrity import corrupt
 
     budget = one_run_bytes(tiny_model_path, tmp_path)
@@ -153,46 +154,6 @@ def test_a_damaged_lone_copy_fails_its_run_alone_saying_how_to_repair(tiny_model
     assert outcomes[other.id].error is None
     assert outcomes[mine.id].error["category"] == "server"
     assert "failed its integrity check" in outcomes[mine.id].error["error"]
-    assert "loraplex-admin models rebuild a" in outcomes[mine.id].error["error"]
-    executor.close()
-
-
-def test_a_cycle_of_more_runs_than_the_budget_holds_runs_them_in_groups_that_fit(tiny_model_path, tmp_path,
-                                                                                 monkeypatch):
-    """Three runs' forward_backwards in one cycle, room for one: one engine call per run, each with only
-    its own run in memory, and every run's numbers those of a trainer without a budget."""
-    def train_together(executor, budget: int = 0):
-        for model in TOKENS:
-            create, job = request(model, 0, "create_model", b'{"lora_config": {"rank": 4, "seed": 3}}')
-            assert executor.run_cycle(Cycle(others=[create]), {create.id: job})[create.id].error is None
-        executor.residency.budget_bytes = budget  # (one under which they could not have been created)
-        steps = [forward_backward(model, 1) for model in TOKENS]
-        outcomes = executor.run_cycle(Cycle(forward_backward=[q for q, _ in steps]), {q.id: j for q, j in steps})
-        return {q.model_id: outcomes[q.id].result for q, _ in steps}
-
-    free = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "free")
-    expected = train_together(free)
-    budget = max(a.resident_bytes for a in free.engine.adapters.values())  # one run after a forward_backward
-    free.close()
-    tight = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "tight")
-    calls = []
-    engine_call = tight.engine.forward_backward
-
-    def recording(requests):
-        calls.append(({r.adapter_id for r in requests}, len(tight.engine.adapters)))
-        return engine_call(requests)
-
-    monkeypatch.setattr(tight.engine, "forward_backward", recording)
-    assert train_together(tight, budget) == expected
-    assert calls == [({"a"}, 1), ({"b"}, 1), ({"c"}, 1)]
-    tight.close()
-
-
-def test_a_run_whose_state_could_never_fit_is_refused_at_create_model(tiny_model_path, tmp_path):
-    executor = InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "live", memory_budget=10_000)
-    create, job = request("big", 0, "create_model", b'{"lora_config": {"rank": 16}}')
-    outcome = executor.run_cycle(Cycle(others=[create]), {create.id: job})[create.id]
-    assert outcome.error["category"] == "user"
-    assert outcome.error["error"].startswith("lora_config.rank: a rank-16 run of this base model holds")
-    assert "memory budget of 0.0 MiB" in outcome.error["error"] and "big" not in executor.engine.adapters
+    assert "made again from its create_model at seq_id 0" in outcomes[mine.id].error["error"]
+    assert executor.place({"a"}) == {"a"} and executor.durable_seq("a") == 0  # the scheduler replays 1-4
     executor.close()
