@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import fmean
 
+import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
@@ -64,12 +65,14 @@ def _stats(values: list[float]) -> dict | None:
     return {"best": max(values), "mean": fmean(values), "worst": min(values)} if values else None
 
 
-def _group_json(prompt_tokens: int, members: list[dict], good_above: float) -> dict:
+def _group_json(prompt: bytes, members: list[dict], good_above: float) -> dict:
     rewards = [m["reward"] for m in members if m["reward"] is not None]
     outcome = ("unrewarded" if not rewards else "all_good" if all(r > good_above for r in rewards)
                else "all_bad" if not any(r > good_above for r in rewards) else "mixed")
-    return {"prompt_tokens": prompt_tokens, "size": len(members), "outcome": outcome, "reward": _stats(rewards),
-            "mean_output_tokens": fmean(m["output_tokens"] for m in members), "members": members}
+    ids = np.frombuffer(prompt, dtype="<i4").tolist()  # (the route decodes them to text)
+    return {"prompt_tokens": len(ids), "prompt_ids": ids, "size": len(members), "outcome": outcome,
+            "reward": _stats(rewards), "mean_output_tokens": fmean(m["output_tokens"] for m in members),
+            "members": members}
 
 
 def step_summaries(groups: dict[tuple[int, bytes], list[dict]], good_above: float) -> list[dict]:
@@ -77,7 +80,7 @@ def step_summaries(groups: dict[tuple[int, bytes], list[dict]], good_above: floa
     rewarded groups (a reward above `good_above` is good)."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for (step, prompt), members in groups.items():
-        by_step[step].append(_group_json(len(prompt) // 4, members, good_above))
+        by_step[step].append(_group_json(prompt, members, good_above))
     steps = []
     for step in sorted(by_step):
         step_groups = by_step[step]

@@ -109,6 +109,14 @@ def record_sample(s: Session, row: Request, adapter_path: str | None, policy_ver
                             "logprob_sum": sum(finite), "logprob_tokens": len(finite)}))
 
 
+def last_learning_rate(s: Session, run_id: str) -> float | None:
+    """The learning rate of the run's newest optim_step (None before its first)."""
+    numbers = s.scalar(sa.select(ServiceMetric.numbers).where(
+        ServiceMetric.run_id == run_id, ServiceMetric.source == RequestKind.OPTIM_STEP)
+        .order_by(ServiceMetric.step.desc()).limit(1))
+    return (numbers or {}).get("learning_rate")
+
+
 def current_step(s: Session, run_id: str) -> int:
     """The run's optimizer steps so far, as its optim_steps reported them (0 before the first)."""
     return int(s.scalar(sa.select(sa.func.coalesce(sa.func.max(ServiceMetric.step), 0)).where(

@@ -13,10 +13,12 @@ from sqlalchemy.orm import Session
 
 from api.dashboard.auth import AdminViewer, CurrentViewer, Viewer
 from api.deps import DB
+from api.input_policy import readable
 from api.routes.runs import iso
 from contract.kinds import RequestKind
 from db import run_metrics, usage
-from db.models import QUOTA_FIELDS, Checkpoint, CheckpointKind, Quota, Request, RequestState, Sampler, Tenant, TrainingModel
+from db.models import QUOTA_FIELDS, Checkpoint, CheckpointKind, ClientSession, Quota, Request, RequestState, Sampler, Tenant
+from db.models import TrainingModel
 from db.models import utcnow
 from db.scheduler_beats import trainer_memory
 from db.usage import TRAINING_KINDS, day_start
@@ -47,7 +49,22 @@ def checkpoint_json(row: Checkpoint) -> dict:
             "created_at": iso(row.created_at), "expires_at": iso(row.expires_at)}
 
 
+NAME_KEYS = ("name", "display_name", "run_name")  # where SDKs and recipes put a run's name
+
+
+def run_name(run: TrainingModel, session: ClientSession | None) -> str | None:
+    """A run's human name: its own user_metadata's, else its session's display_name (the tinker SDK's
+    `display_name`, tinker-cookbook's session name); None if neither says one."""
+    for metadata in (run.user_metadata, session.user_metadata if session is not None else None):
+        for key in NAME_KEYS:
+            value = (metadata or {}).get(key) if isinstance(metadata, dict) else None
+            if isinstance(value, str) and value.strip():
+                return readable(value)
+    return None
+
+
 def run_json(db: Session, run: TrainingModel, tenant_name: str) -> dict:
+    session = db.get(ClientSession, run.session_id)
     counts = dict(db.execute(sa.select(Request.state, sa.func.count()).where(Request.model_id == run.id)
                              .group_by(Request.state)).all())
     last = db.execute(sa.select(sa.func.max(Request.created_at), sa.func.max(Request.finished_at))
@@ -55,9 +72,14 @@ def run_json(db: Session, run: TrainingModel, tenant_name: str) -> dict:
     active = counts.get(RequestState.PENDING, 0) + counts.get(RequestState.RUNNING, 0)
     checkpoints = db.scalars(sa.select(Checkpoint).where(Checkpoint.model_id == run.id)
                              .order_by(Checkpoint.created_at.desc())).all()
+    config = run.lora_config or {}
     return {
-        "run_id": run.id, "tenant_id": run.tenant_id, "tenant_name": tenant_name, "base_model": run.base_model,
-        "lora_rank": run.lora_config.get("rank"),
+        "run_id": run.id, "name": run_name(run, session), "tenant_id": run.tenant_id, "tenant_name": tenant_name,
+        "base_model": run.base_model, "lora_rank": config.get("rank"),
+        "lora_config": {k: config.get(k) for k in ("rank", "alpha", "train_attn", "train_mlp", "train_unembed")},
+        "learning_rate": run_metrics.last_learning_rate(db, run.id), "optimizer": "adamw",
+        "user_metadata": readable(run.user_metadata) or {},
+        "tags": readable(session.tags) if session is not None and isinstance(session.tags, list) else [],
         "status": "deleted" if run.deleted_at else ("running" if active else "idle"),
         "steps": run_metrics.current_step(db, run.id), "created_at": iso(run.created_at),
         "last_activity": iso(max([t for t in last if t is not None], default=run.created_at)),

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from api.dashboard.auth import CurrentViewer
 from api.dashboard.data import Step, router, visible_run
 from api.deps import DB
+from api.input_policy import readable
 from contract.kinds import RequestKind
 from db.models import Request as RequestRow
 from db.models import RequestState, RolloutSample, RolloutTrajectory, RolloutTurn
@@ -34,12 +35,20 @@ def _floats(raw: bytes) -> list[float]:
 
 
 @router.get("/runs/{run_id}/rl_groups")
-def rl_groups(run_id: str, viewer: CurrentViewer, db: DB, since: Step = -1,
+def rl_groups(run_id: str, request: Request, viewer: CurrentViewer, db: DB, since: Step = -1,
               good_above: Annotated[float, Query(allow_inf_nan=False)] = 0.0) -> dict:
     """The run's RL groups per step (db/rl_groups.py)."""
     run = visible_run(db, viewer, run_id)
     groups = group_members(db, run.tenant_id, run_id, since)
-    return {"run_id": run_id, "steps": step_summaries(groups, good_above)}
+    steps = step_summaries(groups, good_above)
+    if steps:
+        from api.inference.rendering import tokenizer_of  # transformers: loaded on first use
+
+        tokenizer = tokenizer_of(str(request.app.state.model_info.path))
+        for step in steps:
+            for group in step["groups"]:
+                group["prompt_text"] = tokenizer.decode(group.pop("prompt_ids"))
+    return {"run_id": run_id, "steps": steps}
 
 
 def _trainer_logprobs(db: Session, run_id: str, since, sequences: list[np.ndarray]) -> list[list[float] | None]:
@@ -66,6 +75,35 @@ def _trainer_logprobs(db: Session, run_id: str, since, sequences: list[np.ndarra
     return found
 
 
+def _new_input(tokenizer, previous, turn, by_turn) -> str | None:
+    """What came between a turn and the one before it (a tool's output, the environment's answer, the
+    user's next message): the part of its prompt after the previous prompt and that turn's sampled
+    tokens, when it extends them; None for the first turn, or when the history was rendered again."""
+    if previous is None or len(by_turn[previous.id]) != 1:
+        return None
+    before = np.concatenate([_ints(previous.prompt_tokens), _ints(by_turn[previous.id][0].tokens)])
+    prompt = _ints(turn.prompt_tokens)
+    if len(prompt) < len(before) or not np.array_equal(prompt[:len(before)], before):
+        return None
+    return tokenizer.decode(prompt[len(before):].tolist())
+
+
+def _messages(body) -> list[dict] | None:
+    """A chat call's messages, role and text (tool and environment turns included), as the harness sent them."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return None
+    out = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):  # parts: their text
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append({"role": str(m.get("role", "")), "content": readable(content if isinstance(content, str) else "")})
+    return out
+
+
 @router.get("/runs/{run_id}/trajectories/{session_id}")
 def trajectory(run_id: str, session_id: str, request: Request, viewer: CurrentViewer, db: DB) -> dict:
     run = visible_run(db, viewer, run_id)
@@ -88,7 +126,10 @@ def trajectory(run_id: str, session_id: str, request: Request, viewer: CurrentVi
 
     tokenizer = tokenizer_of(str(request.app.state.model_info.path))
     out_turns = {t.id: {"turn": t.turn, "policy_version": t.policy_version, "prompt_tokens": len(t.prompt_tokens) // 4,
-                        "choices": []} for t in turns}
+                        "prompt_text": tokenizer.decode(_ints(t.prompt_tokens).tolist()),
+                        "new_input_text": _new_input(tokenizer, previous, t, by_turn),
+                        "messages": _messages(t.request_body), "choices": []}
+                 for previous, t in zip([None, *turns], turns)}
     for (t, s), trained in zip(choices, trainer):
         tokens = _ints(s.tokens).tolist()
         out_turns[t.id]["choices"].append({

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.vllm
 
 PROMPT = [5, 17, 300, 42, 8, 9, 10, 11]
 OTHER_PROMPT = [6, 18, 301, 43, 8, 9]
+ENV = [12, 13, 14]  # what an environment answered between two turns
+AGENT_PROMPT = [7, 19, 302, 44, 8, 9]  # a two-turn trajectory's first prompt (a group of its own, unrewarded)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,13 @@ def loop(tmp_path_factory):
                 oai.completions.create(model=path, prompt=prompt, n=n, max_tokens=6, temperature=1.0, seed=len(session),
                                        extra_headers={"X-Loraplex-Session": session})
             rollouts = loraplex.RolloutsClient(service)
+            # a two-turn trajectory whose second prompt extends the first with the sampled tokens and an
+            # environment's answer (ENV), as a token-in/token-out harness sends it
+            oai.completions.create(model=path, prompt=AGENT_PROMPT, max_tokens=4, temperature=1.0, seed=3,
+                                   extra_headers={"X-Loraplex-Session": "two-turns"})
+            sampled = rollouts.get_trajectory("two-turns").turns[0].samples[0].tokens
+            oai.completions.create(model=path, prompt=AGENT_PROMPT + sampled + ENV, max_tokens=4, temperature=1.0,
+                                   seed=4, extra_headers={"X-Loraplex-Session": "two-turns"})
             for choice, reward in enumerate((1.0, 0.0, 1.0)):
                 rollouts.set_reward("group-a", reward, turn=0, choice=choice)
             rollouts.set_reward("group-b1", 1.0)
@@ -70,8 +79,11 @@ def test_rl_groups(loop):
     http, run = loop
     [step] = http.get(f"/runs/{run}/rl_groups").json()["steps"]
     assert step["step"] == 2  # sampled from snapshot 1: the rollouts of step 2
-    groups = sorted(step["groups"], key=lambda g: g["size"])
-    assert [(g["size"], g["outcome"]) for g in groups] == [(2, "all_good"), (3, "mixed")]
+    groups = sorted(step["groups"], key=lambda g: (g["size"], g["outcome"]))
+    assert [(g["size"], g["outcome"]) for g in groups] == [(1, "unrewarded"), (2, "all_good"), (3, "mixed")]
+    assert all(g["prompt_text"] for g in groups) and [g["prompt_tokens"] for g in groups] == [
+        len(AGENT_PROMPT), len(OTHER_PROMPT), len(PROMPT)]
+    groups = groups[1:]  # the rewarded ones
     assert groups[0]["reward"] == {"best": 1.0, "mean": 0.75, "worst": 0.5}
     assert step["fractions"] == {"all_good": 0.5, "all_bad": 0.0, "mixed": 0.5}
     assert all(0 < m["output_tokens"] <= 6 for g in groups for m in g["members"])
@@ -84,8 +96,19 @@ def test_trajectory_logprobs_side_by_side(loop):
     trained = http.get(f"/runs/{run}/trajectories/group-b1").json()
     [turn] = trained["turns"]
     [choice] = turn["choices"]
+    assert turn["prompt_text"] and turn["new_input_text"] is None and turn["messages"] is None  # a completions call
     assert turn["policy_version"] == 1 and len(choice["token_texts"]) == len(choice["tokens"])
     np.testing.assert_allclose(choice["trainer_logprobs"], choice["sampler_logprobs"], atol=0.05)
     untrained = http.get(f"/runs/{run}/trajectories/group-a").json()["turns"][0]["choices"]
     assert len(untrained) == 3 and all(c["trainer_logprobs"] is None for c in untrained)
     assert http.get(f"/runs/{run}/trajectories/nobody").status_code == 404
+
+
+def test_a_later_turn_shows_what_came_in_since_the_turn_before(loop, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    http, run = loop
+    first, second = http.get(f"/runs/{run}/trajectories/two-turns").json()["turns"]
+    assert first["new_input_text"] is None
+    assert second["new_input_text"] == AutoTokenizer.from_pretrained(tiny_model_path).decode(ENV)
+    assert second["prompt_tokens"] == len(AGENT_PROMPT) + len(first["choices"][0]["tokens"]) + len(ENV)

@@ -32,6 +32,7 @@ STEPS = 3
 GROUPS, GROUP_SIZE, MAX_TOKENS = 2, 4, 8  # per RL step
 # A loss name the server refuses, quoting it in its error: the page must show it as text, run nothing.
 HOSTILE_LOSS = "<script>window.injected=1</script><img src=x onerror=window.injected=1>"
+RL_NAME = "arithmetic RL"  # what alice called her RL run (its user_metadata)
 
 
 def datum(tokens: list[int]) -> types.Datum:
@@ -41,10 +42,12 @@ def datum(tokens: list[int]) -> types.Datum:
 
 
 def train_step(training, step: int) -> None:
-    """One real round: forward_backward, optim_step, and the client's own numbers for that step."""
+    """One real round: forward_backward, optim_step, and the client's own numbers for that step (one that
+    spans decades, and one named as a service series is)."""
     training.forward_backward([datum(list(range(10 + step, 40)))], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    training.log_metrics({"reward/mean": 0.2 * step, "eval/accuracy": 0.5 + 0.1 * step}, step=step + 1)
+    training.log_metrics({"reward/mean": 0.2 * step, "eval/accuracy": 0.5 + 0.1 * step,
+                          "scale/ratio": 10.0 ** (-4 * step), "entropy": 2.0 - 0.1 * step}, step=step + 1)
 
 
 def rl_step(training, rollouts, oai, step: int) -> None:
@@ -86,7 +89,7 @@ def world(server):
     for bad in ([datum([1, 2, 3, 10**6])], "cross_entropy"), ([datum([1, 2, 3, 4])], HOSTILE_LOSS):
         with pytest.raises(loraplex.LoraplexError):
             alice_run.forward_backward(*bad).result()
-    rl_run = alice.create_lora_training_client("tiny", rank=8, seed=2)
+    rl_run = alice.create_lora_training_client("tiny", rank=8, seed=2, user_metadata={"name": RL_NAME})
     rollouts = loraplex.RolloutsClient(alice)
     oai = openai.OpenAI(base_url=f"{server.base_url}/oai/api/v1", api_key=keys.alice)
     for step in range(STEPS):
@@ -183,8 +186,8 @@ def test_runs_side_by_side(server, world, open_page):
     page.click("#compare")
     loss = page.locator("#chart-loss")
     expect(loss).to_have_attribute("data-points", str(STEPS))  # both runs' steps 1..STEPS on one axis
-    for run in (world.alice_run, world.rl_run):
-        expect(loss.locator(".u-legend .u-label", has_text=run.model_id)).to_have_count(1)
+    for label in (world.alice_run.model_id, RL_NAME):  # a run by its name where it has one
+        expect(loss.locator(".u-legend .u-label", has_text=label)).to_have_count(1)
     expect(page.locator("#chart-entropy")).to_have_count(1)  # a series only the RL run has
     screenshot(page, "compare")
 
@@ -205,8 +208,11 @@ def test_trajectory_viewer_shows_both_logprobs_per_token(server, world, open_pag
     stored = world.rollouts.get_trajectory(session).turns[0].samples
     page = open_page(world.keys.alice)
     page.goto(f"{server.base_url}/dashboard/runs/{world.rl_run.model_id}")
-    page.click(f"#groups a:text-is('{session}')")
+    group_row = page.locator("#groups tbody tr", has=page.locator(f"a[title='{session}']"))
+    expect(group_row.locator("td.prompt-text")).not_to_be_empty()  # the group's prompt, as text
+    group_row.locator(f"a[title='{session}']").click()
     expect(page.locator(".choice")).to_have_count(GROUP_SIZE)
+    expect(page.locator(".prompt-block summary")).to_contain_text("Prompt as the sampler saw it (11 tokens)")
     first = stored[0]
     sampler_tokens = page.locator(".choice").first.locator(".tokens.sampler .tok")
     expect(sampler_tokens).to_have_count(len(first.tokens))
@@ -285,3 +291,68 @@ def test_logout_ends_the_session(server, world, open_page):
     page.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")
     expect(page.locator("#login-form")).to_be_visible()  # the run's page asks to log in again
     assert page.request.get(f"{server.base_url}/dashboard/api/runs").status == 401
+
+
+def test_runs_are_shown_by_name_with_their_hyperparameters_and_filtered_and_sorted(server, world, open_page):
+    page = open_page(world.keys.alice)
+    named = page.locator(f"#runs tbody tr[data-run-id='{world.rl_run.model_id}']")
+    expect(named.locator("a.run-name")).to_have_text(RL_NAME)
+    expect(named.locator("a.run-name")).to_have_attribute("title", world.rl_run.model_id)
+    expect(named).to_contain_text("rank 8 · alpha 32 · attn+mlp+unembed · adamw · lr 0.01")
+    page.fill("#filter", "arithmetic")
+    assert listed_runs(page) == {world.rl_run.model_id}
+    page.fill("#filter", "")
+    page.click("button.sort[data-key='name']")  # by name, A to Z: the unnamed run's id sorts by its hex
+    names = page.locator("#runs tbody a.run-name").all_inner_texts()
+    assert names == sorted(names, key=str.lower)
+    page.click(f"a:text-is('{RL_NAME}')")
+    expect(page.locator("#run-title")).to_have_text(RL_NAME)
+    expect(page.locator("#run-summary")).to_contain_text(f"{world.rl_run.model_id} · ")
+
+
+def test_a_series_spanning_decades_is_drawn_on_a_log_axis_the_reader_can_switch(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")
+    ratio = page.locator("#chart-client-scale")  # 1, 1e-4, 1e-8
+    expect(ratio).to_have_attribute("data-scale", "log")
+    ratio.locator("input.log-scale").uncheck()
+    expect(ratio).to_have_attribute("data-scale", "linear")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-scale", "linear")  # within a decade
+    page.locator("#smoothing").evaluate("(input) => { input.value = '0.9'; input.dispatchEvent(new Event('input')); }")
+    expect(page.locator("#chart-loss")).to_have_attribute("data-smoothing", "0.9")
+
+
+def test_a_chart_downloads_the_points_the_api_gave(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")
+    stall = page.locator("#chart-stall")
+    expect(stall).to_have_attribute("data-points", str(STEPS))
+    with page.expect_download() as csv:
+        stall.locator("button.chart-download", has_text="CSV").click()
+    rows = Path(csv.value.path()).read_text().splitlines()
+    assert rows[0] == '"step","trainer: waiting","trainer: computing","sampler: wait + compute (wall)"'
+    series = page.evaluate(f"fetch('/dashboard/api/runs/{world.alice_run.model_id}/metrics').then(r => r.json())")
+    waiting = dict(series["series"]["train/queue_seconds"]["points"])
+    assert [float(row.split(",")[1]) for row in rows[1:]] == pytest.approx([waiting[s] for s in sorted(waiting)])
+    with page.expect_download() as json_file:
+        stall.locator("button.chart-download", has_text="JSON").click()
+    assert '"x":"step"' in Path(json_file.value.path()).read_text()
+
+
+def test_client_series_keep_to_charts_of_their_own_and_colours_keep_one_meaning(server, world, open_page):
+    page = open_page(world.keys.alice)
+    page.goto(f"{server.base_url}/dashboard/runs/{world.alice_run.model_id}")
+    client = page.locator("#chart-client-entropy")  # the client logged "entropy": not merged with anything
+    expect(client.locator("h3")).to_contain_text("entropy (client)")
+    expect(client).to_have_attribute("data-points", str(STEPS))
+    page.goto(f"{server.base_url}/dashboard/runs/{world.rl_run.model_id}")
+
+    def colour(chart: str, label: str) -> str:
+        marker = page.locator(f"#{chart} .u-legend tr", has_text=label).locator(".u-marker")
+        return marker.evaluate("m => getComputedStyle(m).borderColor")
+
+    expect(page.locator("#chart-group-reward")).to_have_attribute("data-points", str(STEPS))
+    good, bad, mixed = "rgb(0, 158, 115)", "rgb(213, 94, 0)", "rgb(230, 159, 0)"
+    assert colour("chart-group-reward", "best") == colour("chart-group-outcomes", "all good") == good
+    assert colour("chart-group-reward", "worst") == colour("chart-group-outcomes", "all bad") == bad
+    assert colour("chart-group-outcomes", "mixed") == mixed

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -83,3 +87,16 @@ def test_math_rl_arithmetic_with_its_default_loss(server, tmp_path):
     losses = [decode_forward_backward_request(r.payload, None).loss_fn for r in requests]
     assert losses == ["stable_reinforce"] * max_steps
     assert recorded == max_steps * groups * group_size
+
+    # `loraplex metrics follow` puts the recipe's own metrics on its run's dashboard, each iteration at the
+    # optimizer step it fed (iteration i: step i + 1), no change to the recipe
+    run_id = final_state(log_path).removeprefix("tinker://").split("/", 1)[0]
+    followed = subprocess.run([str(Path(sys.executable).parent / "loraplex"), "metrics", "follow", str(log_path),
+                               "--once", "--base-url", server.base_url, "--api-key", api_key],
+                              capture_output=True, text=True, timeout=120)
+    assert followed.returncode == 0, followed.stderr
+    assert f"sent to run {run_id}" in followed.stdout
+    series = httpx.get(f"{server.base_url}/dashboard/api/runs/{run_id}/metrics", headers={"X-API-Key": api_key}).json()
+    charted = dict(series["series"]["env/all/format"]["points"])
+    assert charted == {step + 1: pytest.approx(value) for step, value in enumerate(fmt)}
+    assert series["series"]["env/all/format"]["source"] == "client"

@@ -1,20 +1,24 @@
 "use strict";
-// Several runs side by side: one chart per series, one line per run, on the optimizer-step axis.
+// Several runs side by side, by name: one chart per series, one line per run, on the optimizer-step axis.
 (() => {
   const {el} = Dash;
   const runIds = [...new Set(new URLSearchParams(location.search).getAll("run"))];
   const chartsNode = document.getElementById("charts");
+  Charts.smoothingControl(document.getElementById("smoothing"));
   const charts = new Map();  // series name -> LineChart
 
-  document.getElementById("compared").replaceChildren(
-    ...runIds.map((id, i) => el("li", {}, el("span", {style: `color: ${Charts.PALETTE[i % Charts.PALETTE.length]}`}, "■ "),
-                                el("a", {href: Dash.runUrl(id)}, id))));
   if (runIds.length === 0) {
     Dash.showError(document.getElementById("compare-error"), new Error("run: pick runs to compare on the run list"));
     return;
   }
+  let labels = runIds;  // each run's name once read (its id until then, or where it has none)
 
   async function refresh() {
+    const runs = await Promise.all(runIds.map((id) => Dash.getJSON(`/runs/${encodeURIComponent(id)}`)));
+    labels = runs.map((run) => run.name || run.run_id);
+    document.getElementById("compared").replaceChildren(...runs.map((run, i) => el("li", {},
+      el("span", {style: `color: ${Charts.PALETTE[i % Charts.PALETTE.length]}`}, "■ "),
+      el("a", {href: Dash.runUrl(run.run_id), title: run.run_id}, labels[i]))));
     const answers = await Promise.all(runIds.map((id) => Dash.getJSON(`/runs/${encodeURIComponent(id)}/metrics`)))
       .catch((error) => { Dash.showError(document.getElementById("compare-error"), error); throw error; });
     // loss first, then what the client logged (rewards, evals), then the service's other measures
@@ -25,10 +29,10 @@
       if (!charts.has(name)) {
         const unit = answers.map((a) => a.series[name]).find(Boolean).unit;
         charts.set(name, new Charts.LineChart(chartsNode, {id: `chart-${name.replace(/[^\w-]/g, "_")}`, title: name,
-                                                           unit, series: runIds.map((label) => ({label}))}));
+                                                           unit, series: labels.map((label) => ({label}))}));
       }
       const {xs, ys} = Charts.align(answers.map((a) => (a.series[name] ? a.series[name].points : [])));
-      charts.get(name).setData(xs, ys);
+      charts.get(name).setData(xs, ys, labels.map((label) => ({label})));
     }
   }
 

@@ -31,6 +31,7 @@
   const SERVICE_NAMES = new Set(SERVICE_CHARTS.flatMap((c) => c.series.map(([name]) => name)));
 
   const chartsNode = document.getElementById("charts");
+  Charts.smoothingControl(document.getElementById("smoothing"));
   const clientNote = document.getElementById("no-client-metrics");
   const clientNode = document.getElementById("client-charts");
 
@@ -60,20 +61,25 @@
     chart.setData(xs, ys, labels.map((label) => ({label})));
   }
 
+  // The client's series, grouped by their first path segment ("reward/mean" and "reward/max" share a
+  // chart), in charts of their own: a client name that a service series also has ("entropy", which the
+  // API answers as "client/entropy") is never drawn with the service's.
   function drawClientCharts() {
     const groups = new Map();
     for (const name of [...clientNames].sort()) {
-      const group = name.includes("/") ? name.slice(0, name.indexOf("/")) : name;
+      const own = name.replace(/^client\//, "");
+      const group = own.includes("/") ? own.slice(0, own.indexOf("/")) : own;
       if (!groups.has(group)) groups.set(group, []);
       groups.get(group).push(name);
     }
     clientNote.hidden = groups.size > 0;
     for (const [group, names] of groups) {
+      const labels = names.map((name) => name.replace(/^client\//, ""));
       if (!clientCharts.has(group)) {
         clientCharts.set(group, new Charts.LineChart(clientNode, {id: `chart-client-${group.replace(/[^\w-]/g, "_")}`,
-          title: group, series: names.map((label) => ({label}))}));
+          title: `${group} (client)`, series: labels.map((label) => ({label}))}));
       }
-      draw(clientCharts.get(group), names, names);
+      draw(clientCharts.get(group), names, labels);
     }
   }
 
@@ -95,10 +101,12 @@
 
   // RL groups: per-step charts and the latest steps' groups with links to their trajectories.
   const groupNode = document.getElementById("group-charts");
+  const {good, bad, mixed, central} = Charts.MEANING;  // one meaning per colour, on both charts
   const rewardChart = new Charts.LineChart(groupNode, {id: "chart-group-reward", title: "Reward of sampled groups",
-    series: [{label: "best"}, {label: "mean"}, {label: "worst"}]});
+    series: [{label: "best", color: good}, {label: "mean", color: central}, {label: "worst", color: bad}]});
   const outcomeChart = new Charts.LineChart(groupNode, {id: "chart-group-outcomes", title: "Groups by outcome",
-    unit: "fraction", series: [{label: "all good"}, {label: "all bad"}, {label: "mixed"}]});
+    unit: "fraction", series: [{label: "all good", color: good}, {label: "all bad", color: bad},
+                               {label: "mixed", color: mixed}]});
   const lengthChart = new Charts.LineChart(groupNode, {id: "chart-output-length", title: "Average output length",
     unit: "tokens", series: [{label: "tokens"}]});
   const groupSteps = new Map();  // step -> the API's step entry
@@ -108,11 +116,15 @@
     const steps = [...groupSteps.keys()].sort((a, b) => b - a).slice(0, 5);
     return steps.flatMap((step) => groupSteps.get(step).groups.map((group) => {
       const sessions = [...new Set(group.members.map((m) => m.session_id))];
-      const links = sessions.map((session) => el("a", {
-        className: "tag", href: `${Dash.runUrl(runId)}/trajectories/${encodeURIComponent(session)}`}, session));
+      const links = sessions.map((session, i) => el("a", {
+        className: "tag", title: session, href: `${Dash.runUrl(runId)}/trajectories/${encodeURIComponent(session)}`},
+        `#${i + 1}`));
       const reward = group.reward || {};
+      const prompt = group.prompt_text.replace(/\s+/g, " ").trim();
       return el("tr", {},
-        el("td", {className: "num"}, step), el("td", {}, group.outcome.replace("_", " ")),
+        el("td", {className: "num"}, step),
+        el("td", {className: "prompt-text", title: group.prompt_text}, prompt.length > 90 ? `${prompt.slice(0, 90)}…` : prompt),
+        el("td", {}, group.outcome.replace("_", " ")),
         el("td", {className: "num"}, group.size), el("td", {className: "num"}, number(reward.best)),
         el("td", {className: "num"}, number(reward.mean)), el("td", {className: "num"}, number(reward.worst)),
         el("td", {className: "num"}, number(group.mean_output_tokens)), el("td", {}, links));
@@ -147,9 +159,15 @@
   async function refreshSummary() {
     const run = await Dash.getJSON(base);
     const checkpoints = run.checkpoints.length ? `${run.checkpoints.length} checkpoints` : "no checkpoints";
+    document.getElementById("run-title").textContent = run.name || run.run_id;
+    const c = run.lora_config;
+    const targets = ["attn", "mlp", "unembed"].filter((t) => c[`train_${t}`]).join("+");
+    const metadata = Object.entries(run.user_metadata).map(([k, v]) => `${k}=${typeof v === "string" ? v : JSON.stringify(v)}`);
     document.getElementById("run-summary").textContent = [
-      run.status, run.base_model, `rank ${run.lora_rank}`, `${run.steps} steps`,
-      `last activity ${Dash.ago(run.last_activity)}`, checkpoints].join(" · ");
+      run.name ? run.run_id : null, run.status, run.base_model, `rank ${c.rank}, alpha ${Dash.number(c.alpha)}, ${targets}`,
+      `${run.optimizer}${run.learning_rate === null ? "" : `, lr ${Dash.number(run.learning_rate)}`}`,
+      `${run.steps} steps`, `last activity ${Dash.ago(run.last_activity)}`, checkpoints,
+      ...run.tags.map((t) => `#${t}`), ...metadata].filter(Boolean).join(" · ");
   }
 
   Dash.poll(async () => {

@@ -1,6 +1,7 @@
 "use strict";
-// A trajectory's sampled tokens as a heatmap of the sampler's logprob of each, beside
-// the same tokens coloured by the trainer's logprob: where the two disagree, the colours differ.
+// A trajectory's turns: the prompt (folded: its messages, and the text the sampler saw), what came in since
+// the turn before (a tool's output, the environment's answer), and the sampled tokens as a heatmap of the
+// sampler's logprob of each beside the trainer's: where the two disagree, the colours differ.
 (() => {
   const {el, number} = Dash;
   const {runId, sessionId} = Dash.scriptData();
@@ -68,6 +69,14 @@
     document.getElementById("turns").replaceChildren(...trajectory.turns.map((turn) => el("section", {className: "turn"},
       el("h2", {}, `Turn ${turn.turn} · policy version ${turn.policy_version ?? "base model"} · `
                    + `${turn.prompt_tokens} prompt tokens`),
+      turn.new_input_text !== null
+        ? el("div", {className: "new-input"}, el("h4", {}, "Since the last turn (tool, environment or user)"),
+             el("pre", {className: "prompt"}, turn.new_input_text))
+        : null,
+      el("details", {className: "prompt-block"}, el("summary", {}, `Prompt as the sampler saw it (${turn.prompt_tokens} tokens)`),
+        turn.messages ? el("ol", {className: "messages"}, turn.messages.map((m) => el("li", {dataset: {role: m.role}},
+          el("strong", {}, `${m.role}: `), m.content))) : null,
+        el("pre", {className: "prompt"}, turn.prompt_text)),
       turn.choices.map(choiceBlock))));
     return true;  // later turns, rewards and the trainer's logprobs arrive while it is open
   }
