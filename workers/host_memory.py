@@ -12,6 +12,12 @@ other threads are heaps of at most 64 MiB, whose larger blocks are always mmappe
 that the process keeps its peak heap; a trainer's is bounded by its pass size. Call it early:
 threads that allocated before it keep their own arenas. The trainer engine calls it when it is
 created, unless the process's settings opt out (Settings.keep_glibc_malloc_defaults).
+
+A trainer that pages runs in and out (workers/trainer/residency.py) frees a run's tensors and the
+copies written for it in no pattern a pass has: kept, those holes grew the heap past the memory
+budget (an embedded SmolLM2 server with a 6 GiB budget reached 14 GiB of RSS over 1,000 runs).
+`release_freed_host_memory()` hands the heap's free pages back (glibc's malloc_trim), at most once
+every few seconds; the executor calls it after it pages runs out.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import ctypes
 import logging
 import os
 import platform
+import time
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +39,8 @@ MMAP_THRESHOLD = 1 << 30
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int
 
 _applied = False
+RELEASE_EVERY_SECONDS = 5.0
+_released_at = -RELEASE_EVERY_SECONDS
 
 
 def retain_freed_host_memory(keep_glibc_defaults: bool = False) -> bool:
@@ -51,3 +60,15 @@ def retain_freed_host_memory(keep_glibc_defaults: bool = False) -> bool:
         log.warning("mallopt refused a setting; freed host memory may still go back to the kernel")
     _applied = ok
     return ok
+
+
+def release_freed_host_memory() -> bool:
+    """Give the heap's free pages back to the kernel (malloc_trim: the free top, and whole free pages inside
+    the heap), unless it was done within RELEASE_EVERY_SECONDS; whether it ran. glibc only."""
+    global _released_at
+    now = time.monotonic()
+    if now - _released_at < RELEASE_EVERY_SECONDS or platform.libc_ver()[0] != "glibc":
+        return False
+    _released_at = now
+    ctypes.CDLL(None).malloc_trim(0)
+    return True

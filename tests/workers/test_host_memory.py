@@ -73,3 +73,33 @@ def assert_defaults(report: dict) -> None:
     assert not report["tuned"] and not report["again"]
     assert report["mmapped"] >= BLOCK  # glibc's default: a block this large is mmapped, and unmapped on free
     assert report["heap_kept"] < BLOCK
+
+
+RELEASE = """
+import ctypes, json, os
+from workers.host_memory import release_freed_host_memory, retain_freed_host_memory
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * page
+
+assert retain_freed_host_memory()
+block = libc.malloc(64 << 20)
+ctypes.memset(block, 1, 64 << 20)  # touched: resident
+pin = libc.malloc(4096)  # above it: the heap's top cannot shrink past it, only pages inside can go back
+libc.free(block)
+kept = rss()
+released = release_freed_host_memory()
+print(json.dumps({"released": released, "again": release_freed_host_memory(), "freed": kept - rss()}))
+"""
+
+
+def test_release_hands_a_freed_block_inside_the_heap_back_at_most_every_few_seconds():
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["released"] and not report["again"]  # the second call came within RELEASE_EVERY_SECONDS
+    assert report["freed"] >= BLOCK * 3 // 4, report

@@ -86,6 +86,10 @@ class TrainingState:
                             for name, view in adapter.named_views(flat)})
         return cls(adapter.id, adapter.config.to_dict(), adapter.step, tensors)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
     def write(self, path: str | Path, extra: dict | None = None) -> str | Path:
         """Write atomically to `path`; `extra` is kept in the manifest (e.g. the seq_id it reflects).
         The manifest, with the SHA-256 of the tensors file as written, is published only with the

@@ -57,6 +57,7 @@ from storage import store
 from storage.checkpoint_files import CheckpointError
 from storage.live_slots import LiveStateError
 from workers.compute_thread import ComputeThread, run_on
+from workers.host_memory import release_freed_host_memory
 from workers.trainer.batch import EngineOutput
 from workers.trainer.engine import TrainerEngine
 from workers.trainer.live_state import LiveStates
@@ -192,8 +193,11 @@ class InProcessExecutor:
             return
         # a model halfway through a request run in parts holds part of its gradient: it stays
         resident = {m: adapter.resident_bytes for m, adapter in self.engine.adapters.items()}
-        for model_id in self.residency.to_page_out(resident, keep | self.splitting(), incoming):
+        victims = self.residency.to_page_out(resident, keep | self.splitting(), incoming)
+        for model_id in victims:
             self._evict(model_id, paging=True)  # (this cycle holds the lock, maybe on the compute thread)
+        if victims:
+            release_freed_host_memory()  # their tensors' pages, not kept for passes (workers/host_memory.py)
 
     def residency_stats(self) -> ResidencyStats:
         """What is resident and paged out, and the page-ins so far (for operators; from any thread)."""
@@ -218,11 +222,13 @@ class InProcessExecutor:
             self.residency.forget(model_id)
         last_seq = self._last_seq.pop(model_id, None)
         if last_seq is not None and self.live.captured_seq(model_id) != last_seq:
-            self.live.persist(model_id, last_seq, with_gradients=True)
-        else:  # captured already: written before the run leaves (another worker may load it next)
-            self.live.writer.flush(model_id)
-        if paging:  # idle: one verified copy on disk is enough (docs/memory.md)
-            self.live.compact(model_id)
+            # paging out: written in the background (a page-in of the run waits for it); moving to another
+            # worker: written before it leaves, the next worker loads it
+            self.live.persist(model_id, last_seq, with_gradients=True, wait=not paging)
+        elif not paging:
+            self.live.writer.flush(model_id)  # captured already: written before it leaves
+        if paging:  # idle: one copy on disk is enough (docs/memory.md)
+            self.live.keep_one_copy(model_id)
         self.live.forget(model_id)
         self._splits.pop(model_id, None)
         self._last_cycle.pop(model_id, None)  # whoever loads it next ran none of its requests

@@ -19,7 +19,7 @@ A write goes to the slot that does not hold the newest complete state, and becom
 only once it is written whole (its manifest, with the SHA-256 of its tensors, is published last:
 storage/checkpoint_files.py); so while a run trains, the previous state is kept beside the newest
 (twice the disk of one state), and each is checked against its SHA-256 when it is loaded. A run
-paged out (idle) keeps one copy, once it verifies (`compact`). If the
+paged out (idle) keeps one copy, once it is written whole (`keep_one_copy`). If the
 newest is corrupt, truncated or gone, the model is restored from the previous one and the
 scheduler replays the requests after it from the database (`place` reports the model, as for a
 dead engine; after a restart `durable_seq` is what the replay starts from). create_model and
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable
 from contract.configs import LoraConfig
 from storage import store
 from storage.checkpoint_files import CheckpointError
-from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, newest_verified, read_slots, slot_paths
+from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
 from workers.compute_thread import ComputeThread, run_on
 from workers.trainer.checkpoints import TrainingState
 from workers.trainer.state_writer import StateWriter
@@ -233,20 +233,20 @@ class LiveStates:
         else:
             self._wake_at(due)
 
-    def compact(self, model_id: str) -> bool:
-        """Keep only the model's newest stored state, once it verifies: a run paged out while idle costs one
-        copy on disk, not two (its next write makes two again). A damaged lone copy is repaired from the
-        database's journal of requests (`loraplex-admin models rebuild`). False: nothing was removed
-        (the newest state does not verify, or is not the one this process last wrote)."""
-        self.writer.flush(model_id)
-        newest, _ = newest_verified(self.live_dir, model_id)
-        if newest is None or newest.seq != self._expected.get(model_id):
-            return False
-        for path in slot_paths(self.live_dir, model_id):
-            if path != newest.path and store.exists(path):
-                store.delete(path)
-        self._newest[model_id] = newest
-        return True
+    def keep_one_copy(self, model_id: str) -> None:
+        """Once the model's newest state is written whole (now, or when its pending write ends), remove the
+        other slot: a run paged out while idle costs one copy on disk, not two, and its next write makes two
+        again. (Its manifest's SHA-256 is of the bytes written; reading them back would only read the page
+        cache.) A lone copy damaged later is made again from the database's journal of requests (`restore`)."""
+        def remove_the_other() -> None:
+            newest = self._newest.get(model_id)
+            if newest is None or newest.seq != self._expected.get(model_id):
+                return  # not written by this process, or behind: keep both
+            for path in slot_paths(self.live_dir, model_id):
+                if path != newest.path and store.exists(path):
+                    store.delete(path)
+
+        self.writer.when_written(model_id, remove_the_other)
 
     def captured_seq(self, model_id: str) -> int | None:
         """The seq_id of the model's newest captured state (gradients included, maybe still being written),

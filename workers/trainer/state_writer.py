@@ -28,20 +28,42 @@ log = logging.getLogger(__name__)
 Location = str | Path | Callable[[], str | Path]
 
 
+MAX_PENDING_BYTES = 1 << 30  # copies waiting to be written, before `submit` waits for the writer
+
+
 class StateWriter:
-    def __init__(self, on_written: Callable[[str, str | Path, dict], None] | None = None) -> None:
+    def __init__(self, on_written: Callable[[str, str | Path, dict], None] | None = None,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._on_written = on_written  # (model id, where, extra) after a state is written whole
         self._pending: dict[str, tuple[Location, TrainingState, dict]] = {}  # model id -> what to write
+        self._then: dict[str, list[Callable[[], None]]] = {}  # model id -> to run once its pending state is written
         self._writing: str | None = None
         self._closed = False
         self._changed = threading.Condition()
+        # The copies waiting here are memory beyond the trainer's budget (a page-out frees its run only as
+        # its copy is written): past this, `submit` waits for the writer first.
+        self.max_pending_bytes = max_pending_bytes
         self._thread = threading.Thread(target=self._run, name="state-writer", daemon=True)
         self._thread.start()
 
     def submit(self, model_id: str, path: Location, state: TrainingState, extra: dict) -> None:
         with self._changed:
+            self._changed.wait_for(lambda: self._pending_bytes() + state.nbytes <= self.max_pending_bytes
+                                   or not self._pending)
             self._pending[model_id] = (path, state, extra)
             self._changed.notify_all()
+
+    def _pending_bytes(self) -> int:
+        return sum(state.nbytes for _, state, _ in self._pending.values())
+
+    def when_written(self, model_id: str, then: Callable[[], None]) -> None:
+        """Run `then` on the writer's thread once the model's state waiting or being written is written whole
+        (never if that write fails); at once, here, if none is."""
+        with self._changed:
+            if model_id in self._pending or self._writing == model_id:
+                self._then.setdefault(model_id, []).append(then)
+                return
+        then()
 
     def flush(self, model_id: str | None = None) -> None:
         """Wait until `model_id`'s submitted state (or, with None, every one) is written."""
@@ -70,14 +92,22 @@ class StateWriter:
                 model_id = next(iter(self._pending))
                 path, state, extra = self._pending.pop(model_id)
                 self._writing = model_id
+            written = False
             try:
                 where = path() if callable(path) else path
                 state.write(where, extra)
                 if self._on_written is not None:
                     self._on_written(model_id, where, extra)
+                written = True
             except Exception:  # the durable state stays older; a restart replays more
                 log.exception("writing the training state of %s failed", model_id)
-            finally:
-                with self._changed:
-                    self._writing = None
-                    self._changed.notify_all()
+            with self._changed:  # one hold: a `when_written` finds the model writing, or its callbacks taken
+                self._writing = None
+                # a failed write drops them; a newer state of the model already waiting runs them when written
+                then = self._then.pop(model_id, []) if not written or model_id not in self._pending else []
+                self._changed.notify_all()
+            for action in then if written else []:
+                try:
+                    action()
+                except Exception:
+                    log.exception("after writing the training state of %s", model_id)

@@ -59,3 +59,41 @@ def test_a_failed_write_is_logged_and_the_writer_goes_on(tmp_path, caplog):
     writer.close()
     assert "writing the training state of bad failed" in caplog.text
     assert read_manifest(tmp_path / "good")["step"] == 2
+
+
+def test_when_written_runs_after_the_models_newest_write_and_never_after_a_failed_one(tmp_path):
+    writer = StateWriter()
+    ran = []
+    writer.when_written("m", lambda: ran.append("nothing pending: at once"))
+    release = threading.Event()
+    first = state(1, release)
+    writer.submit("m", tmp_path / "m", first, {"seq_id": 1})
+    assert first.started.wait(30)
+    writer.when_written("m", lambda: ran.append("after the newest write"))
+    writer.submit("m", tmp_path / "m", state(2), {"seq_id": 2})  # newer, waiting behind the one being written
+    release.set()
+    writer.flush("m")
+    assert ran == ["nothing pending: at once", "after the newest write"]
+    assert read_manifest(tmp_path / "m")["extra"]["seq_id"] == 2  # it ran once the newest was written
+    (tmp_path / "blocked").write_text("a file where the state's folder should go")
+    writer.submit("x", tmp_path / "blocked" / "x", state(3), {"seq_id": 3})
+    writer.when_written("x", lambda: ran.append("never"))
+    writer.flush("x")
+    assert ran[-1] != "never"
+    writer.close()
+
+
+def test_submit_waits_while_the_copies_waiting_pass_their_bound(tmp_path):
+    release = threading.Event()
+    first = state(1, release)
+    writer = StateWriter(max_pending_bytes=first.nbytes)  # room for one copy waiting
+    writer.submit("a", tmp_path / "a", first, {"seq_id": 1})
+    assert first.started.wait(30)  # being written: nothing waits
+    writer.submit("b", tmp_path / "b", state(2), {"seq_id": 1})  # one waits
+    submitted = threading.Event()
+    threading.Thread(target=lambda: (writer.submit("c", tmp_path / "c", state(3), {"seq_id": 1}), submitted.set()),
+                     daemon=True).start()
+    assert not submitted.wait(0.5)  # a second would pass the bound: it waits for the writer
+    release.set()
+    assert submitted.wait(30)
+    writer.close()
