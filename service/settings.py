@@ -103,7 +103,14 @@ class Settings(BaseSettings):
     # --- the sampler: a multi-LoRA vLLM engine beside the trainer ------------------------------------
     sampler_enabled: bool = Field(True, description="serve sample requests (needs the sampler-cpu or sampler-gpu extra)")
     sampler_max_loras: int = Field(8, description="adapters sampled together in one batch")
-    sampler_max_cpu_loras: int = Field(64, description="adapter snapshots kept loaded (least recently used evicted)")
+    sampler_max_cpu_loras: int | None = Field(
+        None, description="adapter snapshots kept loaded, least recently used evicted and loaded again on use "
+        "(unset: as many of the largest snapshot, every layer at max_lora_rank, as the sampler's memory budget holds)")
+    sampler_memory_budget: ByteSize | None = Field(
+        None, description="bytes of adapter snapshots the sampler keeps loaded, e.g. 2GiB (unset: "
+        "sampler_memory_fraction of the machine's RAM; docs/memory.md)")
+    sampler_memory_fraction: float = Field(
+        0.1, ge=0, le=1, description="unless sampler_memory_budget is set: its budget as a fraction of the machine's RAM")
     sampler_dtype: str = Field("float32", description="the sampler's dtype; the trainer's keeps sampler and trainer "
                                "logprobs close")
     sampler_kv_cache_gib: float = Field(1.0, description="vLLM's KV cache, in GiB")

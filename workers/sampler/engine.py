@@ -4,7 +4,8 @@ Jobs arrive from any thread (`submit`); the engine thread adds them to vLLM and 
 every job in flight, whichever tenant's adapter or the base model, shares each forward pass.
 Each adapter snapshot folder becomes one vLLM LoRA (its own id and name: vLLM's prefix cache
 never mixes versions), loaded on first use without a restart; vLLM keeps `max_loras` of them
-in a batch and evicts the least recently used beyond `max_cpu_loras`.
+in a batch and evicts the least recently used beyond `max_cpu_loras` (as many as a byte budget holds:
+snapshot_budget.py), loading an evicted one again from its folder when a request names it.
 
 A streaming job (`SampleJob.stream`) runs with vLLM's DELTA outputs: each step's new tokens of
 each sample go to its progress callback as they are made, and its outcome is those deltas joined,
@@ -35,6 +36,7 @@ from contract.errors import EngineError, InvalidInputError
 from contract.sampling import SampleDelta, SampleJob, SampleResult, SamplingOptions
 from storage import store
 from workers.compute_thread import ComputeThread, run_on
+from workers.sampler.snapshot_budget import largest_snapshot_bytes, sampler_memory_budget, snapshots_in_budget
 from workers.sampler.snapshot_check import check_snapshot
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class SamplerConfig:
     max_model_len: int
     max_lora_rank: int = 64
     max_loras: int = 8  # adapters in one batch
-    max_cpu_loras: int = 64  # adapters kept loaded (LRU)
+    max_cpu_loras: int = 64  # adapters kept loaded (LRU; from_settings sizes it by bytes: snapshot_budget.py)
     dtype: str = "float32"
     kv_cache_gib: float = 1.0
     engine_process: bool = False  # vLLM's engine core in a child process (slower start, own GIL)
@@ -75,7 +77,10 @@ class SamplerConfig:
         """From the service's Settings and the base model's registry entry."""
         return cls(
             model_path=info.path, max_model_len=info.max_context, max_lora_rank=settings.max_lora_rank,
-            max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras,
+            max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras or snapshots_in_budget(
+                sampler_memory_budget(settings.sampler_memory_budget, settings.sampler_memory_fraction),
+                largest_snapshot_bytes(info.path, settings.max_lora_rank, settings.sampler_dtype),
+                settings.sampler_max_loras),
             dtype=settings.sampler_dtype, kv_cache_gib=settings.sampler_kv_cache_gib,
             engine_process=settings.sampler_engine_process, lora_ops=settings.vllm_lora_ops,
         )
