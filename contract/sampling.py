@@ -23,6 +23,9 @@ class SamplingOptions:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # Tinker's `stop: []` disables every stop, EOS included
+    # a grammar every sample follows: an xgrammar structural tag (JSON), vLLM's structured outputs
+    # (the inference API's forced and strict tool calls, api/inference/tool_grammar.py); None: free
+    structural_tag: str | None = None
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ headers as the OpenAI routes (openai_api.py). Parameters: anthropic_params.py.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api.inference import anthropic_params, calls, rendering, targets
+from api.inference import anthropic_params, calls, rendering, targets, tool_grammar
 from api.inference.errors import InferenceError
 from api.public_errors import MAX_ERROR_CHARS, public_error
 
@@ -46,12 +47,15 @@ async def _answers():
 
 
 async def _render(request: Request, tenant, body: anthropic_params.Conversation):
-    """(the target `model` names, the parse_tools flag, the prompt tokens) of a conversation."""
+    """(the target `model` names, the parse_tools flag, the prompt tokens, the grammar of its tool calls
+    (tool_grammar.py) or None) of a conversation."""
     messages = anthropic_params.template_messages(body)
     tools = anthropic_params.template_tools(body)
-    choice = anthropic_params.tool_choice(body)
+    choice, parallel = anthropic_params.tool_choice(body)
     target, prompt = await calls.render_for(request, tenant, body.model, messages, tools)
-    return target, bool(tools) and choice == "auto", prompt
+    grammar = await run_in_threadpool(functools.partial(tool_grammar.structural_tag, tools, choice,
+                                                        parallel=parallel))  # (xgrammar compiles)
+    return target, bool(tools) and choice != "none", prompt, grammar
 
 
 async def _prepare(request: Request):
@@ -60,10 +64,11 @@ async def _prepare(request: Request):
     raw = await calls.json_body(request)
     await calls.check_prompt_size(request, raw)
     body = anthropic_params.parse(raw)
-    target, parse_tools, prompt = await _render(request, tenant, body)
+    target, parse_tools, prompt, grammar = await _render(request, tenant, body)
     options = calls.sampling_options(
         request, len(prompt), max_tokens=body.max_tokens, max_tokens_field="max_tokens", prompt_field="messages",
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=tuple(body.stop_sequences or ()))
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=tuple(body.stop_sequences or ()),
+        structural_tag=grammar)
     session = calls.session_named((calls.SESSION_HEADER, request.headers.get(calls.SESSION_HEADER)),
                                   ("metadata.user_id", (body.metadata or {}).get("user_id")))
     call = calls.Call(api="anthropic.messages", model=body.model, raw=raw, target=target, prompt=prompt, n=1,
@@ -80,7 +85,7 @@ async def count_tokens(request: Request) -> Response:
         raw = await calls.json_body(request)
         await calls.check_prompt_size(request, raw)
         body = anthropic_params.parse(raw, anthropic_params.Conversation, anthropic_params.COUNT_PARAMETERS)
-        _, _, prompt = await _render(request, tenant, body)
+        _, _, prompt, _ = await _render(request, tenant, body)
         return JSONResponse(answers.token_count(len(prompt)))
 
     return await calls.answer(request, work, anthropic_error)

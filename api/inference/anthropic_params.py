@@ -30,7 +30,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "cache_control": (None, {"type": "ephemeral"}),  # the sampler caches prompt prefixes anyway
 }
 WHY_NOT = {
-    "tool_choice": "only auto and none are supported (forcing a tool needs guided decoding)",
+    "tool_choice": "auto, none, any or tool",
     "thinking": "not supported by this server; only {'type': 'disabled'} is accepted",
 }
 # Block keys that change nothing here: cache hints, and citations (none are produced).
@@ -200,16 +200,19 @@ def template_tools(body: Conversation) -> list[dict] | None:
     return out
 
 
-def tool_choice(body: Conversation) -> Literal["auto", "none"]:
-    """What is honoured of tool_choice: auto (calls are parsed out of the text) or none (they are not)."""
+def tool_choice(body: Conversation) -> tuple[str | dict, bool]:
+    """(the choice in OpenAI's terms, whether several calls may come), from Anthropic's tool_choice: auto,
+    none (calls are not parsed out of the text), any (at least one call: "required"), tool (that one)."""
     choice = body.tool_choice or {"type": "auto"}
     kind = choice.get("type")
-    if kind not in ("auto", "none"):
+    if kind not in ("auto", "none", "any", "tool"):
         raise InferenceError(400, f"tool_choice: {WHY_NOT['tool_choice']}; got {str(kind)[:40]!r}")
-    if choice.get("disable_parallel_tool_use"):
-        raise InferenceError(400, "tool_choice.disable_parallel_tool_use: not supported (every call the model "
-                                  "writes is returned)")
     for key in choice:
-        if key not in ("type", "disable_parallel_tool_use"):
+        if key not in ("type", "disable_parallel_tool_use", *(("name",) if kind == "tool" else ())):
             raise InferenceError(400, f"tool_choice.{str(key)[:40]}: not supported by this server")
-    return kind
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise InferenceError(400, "tool_choice.disable_parallel_tool_use: true or false")
+    parallel = not choice.get("disable_parallel_tool_use")
+    if kind == "tool":
+        return {"type": "function", "name": choice.get("name")}, parallel
+    return {"any": "required"}.get(kind, kind), parallel

@@ -5,6 +5,7 @@ the API's own error shape, and sample a prompt and record it as the next turn of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -120,18 +121,21 @@ async def render_for(request: Request, tenant: TenantRef, model: str, messages: 
 
 
 def openai_call(request: Request, body: params.InferenceRequest, raw: dict, api: str, target: targets.Target,
-                prompt: list[int], topk: int, parse_tools: bool) -> Call:
-    """A Call from an OpenAI chat/completions body (its session and sampling fields)."""
+                prompt: list[int], topk: int, parse_tools: bool, structural_tag: str | None = None) -> Call:
+    """A Call from an OpenAI chat/completions body (its session and sampling fields; `structural_tag`: the
+    grammar of its forced or strict tool calls, tool_grammar.py)."""
     info, settings = request.app.state.model_info, request.app.state.settings
+    options = params.sampling_options(body, len(prompt), info.max_context, settings.sampler_max_samples)
     return Call(api=api, model=body.model, raw=raw, target=target, prompt=prompt, n=body.n,
-                options=params.sampling_options(body, len(prompt), info.max_context, settings.sampler_max_samples),
+                options=dataclasses.replace(options, structural_tag=structural_tag),
                 session=params.session_of(request.headers.get(SESSION_HEADER), body), topk=topk,
                 parse_tools=parse_tools)
 
 
 def sampling_options(request: Request, prompt_len: int, *, max_tokens: int | None, max_tokens_field: str,
                      prompt_field: str, temperature: float | None, top_p: float | None, top_k: int | None,
-                     stop: tuple[str, ...] = (), seed: int | None = None) -> SamplingOptions:
+                     stop: tuple[str, ...] = (), seed: int | None = None,
+                     structural_tag: str | None = None) -> SamplingOptions:
     """One sample's options from an API's own fields, refusing in their names what the context cannot hold
     (params.sampling_options does the same for OpenAI's chat/completions bodies)."""
     max_context = request.app.state.model_info.max_context
@@ -146,7 +150,7 @@ def sampling_options(request: Request, prompt_len: int, *, max_tokens: int | Non
                            temperature=SAMPLING_DEFAULTS.temperature if temperature is None else temperature,
                            top_k=SAMPLING_DEFAULTS.top_k if top_k in (None, 0, -1) else top_k,
                            top_p=SAMPLING_DEFAULTS.top_p if top_p is None else top_p,
-                           seed=seed, stop_strings=stop)
+                           seed=seed, stop_strings=stop, structural_tag=structural_tag)
 
 
 def session_named(*named: tuple[str, str | None]) -> str | None:

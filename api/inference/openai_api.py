@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api.inference import calls, params, rendering, targets
+from api.inference import calls, params, rendering, targets, tool_grammar
 from api.inference.errors import InferenceError
 
 router = APIRouter(prefix="/oai/api/v1")
@@ -54,8 +54,10 @@ async def chat_completions(request: Request) -> Response:
             return responses.chat_completion(**common, logprobs=bool(body.logprobs), top_logprobs=topk,
                                              as_ids=body.return_tokens_as_token_ids)
 
+        choice = body.tool_choice or "auto"
+        grammar = await run_in_threadpool(tool_grammar.structural_tag, tools, choice)  # (xgrammar compiles)
         call = calls.openai_call(request, body, raw, "chat.completions", target, prompt, topk,
-                                 bool(tools) and body.tool_choice != "none")
+                                 bool(tools) and choice != "none", grammar)
         if body.stream:
             from api.inference import chunks, streaming  # (openai is imported by now)
 

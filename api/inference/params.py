@@ -46,7 +46,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 WHY_NOT = {
     "store": "every call is recorded in the rollout store; store: false is not supported",
-    "tool_choice": "only \"auto\" and \"none\" are supported (forcing a tool needs guided decoding)",
+    "tool_choice": "\"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\"}}",
 }
 
 _SESSION = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
@@ -158,8 +158,8 @@ def parse(cls: type[InferenceRequest], body: Any, known: frozenset[str]) -> Infe
 def _check_chat(body: ChatRequest) -> None:
     if body.top_logprobs and not body.logprobs:
         raise InferenceError(400, "top_logprobs: needs logprobs: true")
-    choice = body.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
+    choice = body.tool_choice  # a named one is checked against the tools once they are (tool_grammar.py)
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
         raise InferenceError(400, f"tool_choice: {WHY_NOT['tool_choice']}")
 
 

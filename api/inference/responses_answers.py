@@ -11,7 +11,7 @@ from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from api.inference.rendering import Completion
-from api.inference.responses_params import ResponsesRequest
+from api.inference.responses_params import ResponsesRequest, is_strict
 from loraplex.wire.codec import SampledSequenceWire
 
 
@@ -29,10 +29,10 @@ def output_items(response_id: str, done: Completion) -> list:
     return items
 
 
-def skeleton(*, response_id: str, model: str, body: ResponsesRequest, tool_choice: str) -> Response:
+def skeleton(*, response_id: str, model: str, body: ResponsesRequest, tool_choice: str | dict) -> Response:
     """The response before its output: what a stream's response.created carries."""
     tools = [FunctionTool(type="function", name=t["name"], description=t.get("description"),
-                          parameters=t.get("parameters"), strict=False) for t in body.tools or ()]
+                          parameters=t.get("parameters"), strict=is_strict(t)) for t in body.tools or ()]
     return Response(
         id=f"resp_{response_id}", object="response", created_at=float(int(time.time())), model=model,
         status="in_progress", output=[], parallel_tool_calls=True, tool_choice=tool_choice, tools=tools,
@@ -41,7 +41,7 @@ def skeleton(*, response_id: str, model: str, body: ResponsesRequest, tool_choic
 
 
 def response(*, response_id: str, model: str, prompt_len: int, cached: int, seq: SampledSequenceWire,
-             done: Completion, body: ResponsesRequest, tool_choice: str) -> dict:
+             done: Completion, body: ResponsesRequest, tool_choice: str | dict) -> dict:
     generated = len(seq.tokens)
     usage = ResponseUsage(input_tokens=prompt_len,
                           input_tokens_details=InputTokensDetails(cached_tokens=cached, cache_write_tokens=0),

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from api.inference import calls, responses_params
+from api.inference import calls, responses_params, tool_grammar
 from api.inference.errors import InferenceError
 from api.input_policy import readable
 from db.models import RolloutTrajectory, RolloutTurn
@@ -84,15 +84,18 @@ async def create_response(request: Request) -> Response:
         tools = responses_params.template_tools(body)
         choice = responses_params.tool_choice(body)
         target, prompt = await calls.render_for(request, tenant, body.model, messages, tools)
+        grammar = await run_in_threadpool(tool_grammar.structural_tag,  # (xgrammar compiles)
+                                          responses_params.grammar_tools(body, tools), choice)
         options = calls.sampling_options(
             request, len(prompt), max_tokens=body.max_output_tokens, max_tokens_field="max_output_tokens",
-            prompt_field="input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
+            prompt_field="input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            structural_tag=grammar)
         session = calls.session_named((calls.SESSION_HEADER, request.headers.get(calls.SESSION_HEADER)),
                                       ("previous_response_id", previous_session),
                                       ("metadata.session_id", (body.metadata or {}).get("session_id")),
                                       ("user", body.user))
         call = calls.Call(api=API, model=body.model, raw=raw, target=target, prompt=prompt, n=1, options=options,
-                          session=session, topk=0, parse_tools=bool(tools) and choice == "auto")
+                          session=session, topk=0, parse_tools=bool(tools) and choice != "none")
 
         def build(*, response_id, model, prompt_len, cached, sequences, completions, **_) -> dict:
             [seq], [done] = sequences, completions

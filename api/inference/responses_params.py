@@ -37,7 +37,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 WHY_NOT = {
     "store": "every call is recorded in the rollout store; store: false is not supported",
-    "tool_choice": "only \"auto\" and \"none\" are supported (forcing a tool needs guided decoding)",
+    "tool_choice": "\"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\"}",
     "conversation": "not supported; chain responses with previous_response_id",
 }
 _MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -79,13 +79,19 @@ def parse(body: Any) -> ResponsesRequest:
         parsed = ResponsesRequest.model_validate({k: v for k, v in body.items() if k in fields})
     except ValidationError as e:
         raise InferenceError(400, validation_message(e)) from None
-    if parsed.tool_choice not in (None, "auto", "none"):
+    # a named choice is checked against the tools once they are (tool_grammar.py)
+    if isinstance(parsed.tool_choice, str) and parsed.tool_choice not in ("auto", "none", "required"):
         raise InferenceError(400, f"tool_choice: {WHY_NOT['tool_choice']}")
     return parsed
 
 
-def tool_choice(body: ResponsesRequest) -> Literal["auto", "none"]:
+def tool_choice(body: ResponsesRequest) -> str | dict[str, Any]:
     return body.tool_choice or "auto"
+
+
+def is_strict(tool: dict) -> bool:
+    """A Responses function tool is strict unless it says `strict: false` (OpenAI's default is true)."""
+    return tool.get("strict") is not False
 
 
 def _check_keys(item: dict, allowed: set[str], where: str) -> None:
@@ -169,7 +175,8 @@ def input_items(body_input: Any) -> list[Any]:
 
 
 def template_tools(body: ResponsesRequest) -> list[dict] | None:
-    """Responses' function tools (flat: name, description, parameters) as the chat template's tools."""
+    """Responses' function tools (flat: name, description, parameters) as the chat template's tools
+    (`strict` is the grammar's business, tool_grammar.py: grammar_tools)."""
     if not body.tools:
         return None
     out = []
@@ -178,12 +185,18 @@ def template_tools(body: ResponsesRequest) -> list[dict] | None:
             raise InferenceError(400, f"tools[{i}]: only {{\"type\": \"function\", \"name\", ...}} tools are "
                                       "supported")
         _check_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
-        if tool.get("strict"):
-            raise InferenceError(400, f"tools[{i}].strict: not supported (arguments are not constrained to the "
-                                      "schema); send strict: false")
+        if not isinstance(tool.get("strict", False), bool) and tool.get("strict") is not None:
+            raise InferenceError(400, f"tools[{i}].strict: true or false")
         function = {"name": tool["name"]}
         for key in ("description", "parameters"):
             if tool.get(key) is not None:
                 function[key] = tool[key]
         out.append({"type": "function", "function": function})
     return out
+
+
+def grammar_tools(body: ResponsesRequest, tools: list[dict] | None) -> list[dict] | None:
+    """The template's tools with each one's `strict`, as tool_grammar.structural_tag takes them."""
+    if not tools:
+        return tools
+    return [{**t, "function": {**t["function"], "strict": is_strict(raw)}} for t, raw in zip(tools, body.tools)]

@@ -1,8 +1,10 @@
 """A streamed Responses answer's events, as the `openai` package's own event types: response.created and
 response.in_progress, then the message item once there is text (output_item.added, content_part.added,
 output_text.delta per engine step, output_text.done, content_part.done, output_item.done), then one
-function_call item per call (its arguments as one delta), and response.completed (or
-response.incomplete) carrying the recorded answer. Each event has its sequence_number, from 0.
+function_call item per call (its arguments as one delta), and response.completed carrying the recorded
+answer, whose status says whether it stopped at max_output_tokens ("incomplete"). That is vLLM's choice too:
+the `openai` SDK's stream accumulator (`get_final_response`) takes no other end event, and a stream ending in
+response.incomplete makes it raise. Each event has its sequence_number, from 0.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from fastapi import HTTPException, Request
 from openai.types.responses import (Response, ResponseCompletedEvent, ResponseContentPartAddedEvent,
                                     ResponseContentPartDoneEvent, ResponseCreatedEvent, ResponseErrorEvent,
                                     ResponseFunctionCallArgumentsDeltaEvent, ResponseFunctionCallArgumentsDoneEvent,
-                                    ResponseIncompleteEvent, ResponseInProgressEvent, ResponseOutputItemAddedEvent,
+                                    ResponseInProgressEvent, ResponseOutputItemAddedEvent,
                                     ResponseOutputItemDoneEvent, ResponseOutputMessage, ResponseOutputText,
                                     ResponseTextDeltaEvent, ResponseTextDoneEvent)
 
@@ -79,10 +81,7 @@ class ResponseEvents:
                                     type="response.function_call_arguments.done", arguments=item.arguments, **where)]
             out.append(self._event(ResponseOutputItemDoneEvent, type="response.output_item.done", output_index=index,
                                    item=item))
-        if final.status == "incomplete":
-            out.append(self._event(ResponseIncompleteEvent, type="response.incomplete", response=final))
-        else:
-            out.append(self._event(ResponseCompletedEvent, type="response.completed", response=final))
+        out.append(self._event(ResponseCompletedEvent, type="response.completed", response=final))
         return out
 
     def error(self, request: Request, error: HTTPException) -> bytes:

@@ -82,7 +82,7 @@ def test_errors_are_anthropic_shaped_and_name_the_field(server, client, lp, api_
     assert unknown.value.body["error"]["message"].startswith("model: ")
     image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     for fields, field in ((dict(extra_body={"temperature": 1.5}), "temperature"),
-                          (dict(tool_choice={"type": "any"}, tools=TOOLS), "tool_choice"),
+                          (dict(tool_choice={"type": "all"}, tools=TOOLS), "tool_choice"),
                           (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
                           (dict(extra_body={"guided_choice": ["a"]}), "guided_choice"),
                           (dict(max_tokens=20_000), "max_tokens"),

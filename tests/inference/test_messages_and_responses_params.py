@@ -33,8 +33,8 @@ def test_the_parameter_lists_are_the_sdks_own():
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"container": "c"}, "container"), ({"guided_choice": ["a"]}, "guided_choice"),
     ({"temperature": 1.5}, "temperature"), ({"stop_sequences": [""]}, "stop_sequences[0]"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"), ({"metadata": {"user_id": "u", "x": "y"}}, "metadata.x"),
-    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "tool_choice.disable_parallel_tool_use"),
+    ({"tool_choice": {"type": "all"}}, "tool_choice"), ({"metadata": {"user_id": "u", "x": "y"}}, "metadata.x"),
+    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}}, "tool_choice.disable_parallel_tool_use"),
 ])
 def test_anthropic_refusals_name_the_field(extra, field):
     assert refusal(anthropic_params.parse, BASE | extra).startswith(f"{field}: ")
@@ -64,7 +64,7 @@ def test_anthropic_blocks_become_template_messages():
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"store": False}, "store"), ({"tool_choice": "required"}, "tool_choice"), ({"reasoning": {"effort": "low"}},
+    ({"store": False}, "store"), ({"tool_choice": "always"}, "tool_choice"), ({"reasoning": {"effort": "low"}},
                                                                                  "reasoning"),
     ({"temperature": 3}, "temperature"), ({"min_p": 0.1}, "min_p"), ({"conversation": "c"}, "conversation"),
 ])
@@ -86,7 +86,13 @@ def test_responses_items_become_template_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "5"}]
     with pytest.raises(InferenceError, match=r"^400: input\[0\]\.type: "):
         responses_params.template_messages([{"type": "reasoning", "summary": []}])
-    strict = responses_params.parse({"model": "tiny", "input": "hi", "tools": [
-        {"type": "function", "name": "add", "parameters": {}, "strict": True}]})
+    # strict is the grammar's business, not the template's: absent means true, as on OpenAI
+    body = responses_params.parse({"model": "tiny", "input": "hi", "tools": [
+        {"type": "function", "name": "add", "parameters": {}, "strict": False}, {"type": "function", "name": "f"}]})
+    tools = responses_params.template_tools(body)
+    assert tools == [{"type": "function", "function": {"name": "add", "parameters": {}}},
+                     {"type": "function", "function": {"name": "f"}}]
+    assert [t["function"]["strict"] for t in responses_params.grammar_tools(body, tools)] == [False, True]
     with pytest.raises(InferenceError, match=r"^400: tools\[0\]\.strict: "):
-        responses_params.template_tools(strict)
+        responses_params.template_tools(responses_params.parse({"model": "tiny", "input": "hi", "tools": [
+            {"type": "function", "name": "add", "strict": "yes"}]}))

@@ -54,7 +54,7 @@ def test_unknown_parameters_and_stream_options_without_stream_are_refused_naming
 @pytest.mark.parametrize("fields, field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"seed": -1}, "seed"),
     ({"max_tokens": 0}, "max_tokens"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"tool_choice": "required"}, "tool_choice"), ({"stop": [""]}, "stop[0]"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"tool_choice": "always"}, "tool_choice"), ({"stop": [""]}, "stop[0]"),
     ({"messages": []}, "messages"), ({"temperature": float("nan")}, "temperature"), ({"top_k": -2}, "top_k"),
 ])
 def test_bad_values_name_their_field(fields, field):

@@ -53,29 +53,31 @@ def test_a_response_is_answered_stored_and_chained(client, store, tokenizer):
 def test_a_streamed_response_is_the_answer_token_by_token(client, store):
     greedy = dict(model="tiny", input=QUESTION, max_output_tokens=8, temperature=0.0)
     whole = client.responses.create(**greedy)
+    assert whole.status == "incomplete"  # 8 greedy tokens of the tiny model do not reach its end token
     with client.responses.stream(**greedy, metadata={"session_id": "streamed"}) as stream:
         events = list(stream)  # through the SDK's own accumulation, which checks their order
-    final = events[-1].response  # (get_final_response takes only response.completed; 8 tokens may not end)
+        final = stream.get_final_response()  # it takes only response.completed, incomplete or not
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] == {"completed": "response.completed", "incomplete": "response.incomplete"}[whole.status]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert (final.status, final.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     [turn] = store.get_trajectory("streamed").turns
     assert final.id == f"resp_{turn.id}" and final.output_text == whole.output_text
     assert final.model_dump(exclude_none=True) == client.responses.retrieve(final.id).model_dump(exclude_none=True)
-    assert final.usage.output_tokens == len(turn.samples[0].tokens) == whole.usage.output_tokens
+    assert final.usage.output_tokens == len(turn.samples[0].tokens) == whole.usage.output_tokens == 8
+
 
 def test_errors_name_the_field_and_other_tenants_responses_do_not_exist(server, client, lp):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.responses.create(model="gpt-5", input=QUESTION)
     assert unknown.value.body["param"] == "model"
-    for fields, param in ((dict(store=False), "store"), (dict(tool_choice="required"), "tool_choice"),
+    for fields, param in ((dict(store=False), "store"), (dict(tool_choice="always"), "tool_choice"),
                           (dict(temperature=3), "temperature"), (dict(reasoning={"effort": "low"}), "reasoning"),
                           (dict(extra_body={"guided_choice": ["a"]}), "guided_choice"),
                           (dict(max_output_tokens=5000), "max_output_tokens"),
                           (dict(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
-                          (dict(tools=[{**FUNCTIONS[0], "strict": True}]), "tools[0].strict"),
+                          (dict(tools=[{**FUNCTIONS[0], "strict": "yes"}]), "tools[0].strict"),
                           (dict(tools=FUNCTIONS), "tools")):  # the tiny model's own template renders no tools
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(**{"model": "tiny", "input": QUESTION, **fields})

@@ -88,15 +88,16 @@ class SamplerConfig:
 
 def vllm_sampling_params(job: SampleJob):
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     o: SamplingOptions = job.options
+    grammar = StructuredOutputsParams(structural_tag=o.structural_tag) if o.structural_tag else None
     return SamplingParams(
         n=1 if o.temperature == 0 else job.num_samples,  # vLLM refuses n > 1 when greedy: to_result copies
         max_tokens=o.max_tokens, temperature=o.temperature,
         top_k=0 if o.top_k == -1 else o.top_k, top_p=o.top_p, seed=o.seed,
         stop=list(o.stop_strings) or None, stop_token_ids=list(o.stop_token_ids) or None,
-        ignore_eos=o.ignore_eos,
+        ignore_eos=o.ignore_eos, structured_outputs=grammar,
         logprobs=job.topk_sample_logprobs,  # k >= 0: the sampled token's logprob, plus the top k
         prompt_logprobs=job.topk_prompt_logprobs if job.prompt_logprobs or job.topk_prompt_logprobs else None,
         output_kind=RequestOutputKind.DELTA if job.stream else RequestOutputKind.FINAL_ONLY,
