@@ -17,7 +17,9 @@ from api.public_errors import MAX_ERROR_CHARS, public_error
 from api.request_guard import RequestGuard
 from api.dashboard import json_routers as dashboard_routers
 from api.dashboard.pages import install as install_dashboard_pages
-from api.routes import futures, rollouts, run_metrics, runs, sampling, service, sessions, tokenizers, training, unsupported
+from api.routes import (
+    external_weights, futures, rollouts, run_metrics, runs, sampling, service, sessions, tokenizers, training, unsupported,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,8 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.model_info = model_info
     app.state.sampling = sampling_dispatcher
     app.state.sampling_unavailable = sampling_unavailable
-    for module in (service, sessions, training, futures, sampling, runs, run_metrics, unsupported, tokenizers, rollouts):
+    for module in (service, sessions, training, futures, sampling, runs, external_weights, run_metrics, unsupported,
+                   tokenizers, rollouts):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(responses_api.router)  # before openai_api's catch-all under the same prefix
     app.include_router(openai_api.router)

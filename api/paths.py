@@ -9,7 +9,8 @@ from fastapi import HTTPException
 
 from storage import store
 
-CHECKPOINT_KINDS = {"weights": "training_state", "sampler_weights": "sampler"}
+# a tinker path's kind -> its checkpoint's (db CheckpointKind)
+CHECKPOINT_KINDS = {"weights": "training_state", "sampler_weights": "sampler", "external_weights": "external"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
@@ -30,7 +31,7 @@ def checkpoint_name(name: str, field: str) -> str:
 @dataclass(frozen=True)
 class TinkerPath:
     run_id: str
-    kind: str  # "weights" | "sampler_weights"
+    kind: str  # "weights" | "sampler_weights" | "external_weights"
     name: str
 
     def __str__(self) -> str:
@@ -44,7 +45,7 @@ class TinkerPath:
     def parse(cls, path: str, field: str = "path") -> "TinkerPath":
         parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not parts[0]:
-            raise HTTPException(400, f"{field}: expected tinker://<run_id>/weights|sampler_weights/<name>, got {path!r}")
+            raise HTTPException(400, f"{field}: expected tinker://<run_id>/weights|sampler_weights|external_weights/<name>, got {path!r}")
         return cls(parts[0], parts[1], checkpoint_name(parts[2], field))
 
 

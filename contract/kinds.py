@@ -16,6 +16,7 @@ class RequestKind(StrEnum):
     OPTIM_STEP = "optim_step"
     SAVE_WEIGHTS = "save_weights"
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
     LOAD_WEIGHTS = "load_weights"
     # A request refused at the door, or a seq_id that never arrived: it runs nothing, only passes its
     # seq_id, with its recorded error as the outcome (scheduler/service.py).

@@ -37,14 +37,16 @@ class OptimStepPayload(Payload):
 
 
 class SaveWeightsPayload(Payload):
-    """save_weights and save_weights_for_sampler: where the files go, and the checkpoint the scheduler records."""
+    """save_weights, save_weights_for_sampler and save_weights_external: where the files go, and the
+    checkpoint the scheduler records."""
 
-    kind: Literal["training_state", "sampler"]  # the checkpoint's (db CheckpointKind)
+    kind: Literal["training_state", "sampler", "external"]  # the checkpoint's (db CheckpointKind)
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
     # an unnamed snapshot for save_weights_and_get_sampling_client: the sampler it serves
     sampling_session_id: str | None = None
     ephemeral: bool = False
+    base_model: str | None = None  # save_weights_external: the base model's name, as its export names it
     name: str
     tinker_path: str
     storage_path: str  # a path or fsspec URL in the checkpoint store
@@ -65,6 +67,7 @@ JSON_PAYLOADS: dict[RequestKind, type[Payload]] = {
     RequestKind.OPTIM_STEP: OptimStepPayload,
     RequestKind.SAVE_WEIGHTS: SaveWeightsPayload,
     RequestKind.SAVE_WEIGHTS_FOR_SAMPLER: SaveWeightsPayload,
+    RequestKind.SAVE_WEIGHTS_EXTERNAL: SaveWeightsPayload,
     RequestKind.LOAD_WEIGHTS: LoadWeightsPayload,
     RequestKind.REJECTED: RejectedPayload,
 }

@@ -65,6 +65,7 @@ class RequestState(StrEnum):
 class CheckpointKind(StrEnum):
     TRAINING_STATE = "training_state"
     SAMPLER = "sampler"
+    EXTERNAL = "external"  # save_weights_external: the adapter merged into the base model, a Hugging Face folder
 
 
 def _in(column: str, values: type[StrEnum]) -> str:

@@ -88,6 +88,12 @@ class Settings(BaseSettings):
                                    "larger ones get 413 (api/request_guard.py)")
     long_poll_seconds: float = Field(30.0, description="retrieve_future holds a request this long before it answers "
                                      "try_again")
+    download_url_key: str = Field(
+        "", description="the secret key that signs download URLs of external weights (HMAC-SHA256); every API "
+        "replica needs the same one (empty: a random key, made once and kept in data_dir/download_url.key; "
+        "api/download_urls.py)")
+    download_url_seconds: int = Field(3600, ge=60, le=7 * 86400, description="how long a signed download URL of "
+                                      "external weights stays valid (get_external_weights_urls)")
     metrics_port: int = Field(0, description="the scheduler, sampler and trainer worker processes serve their Prometheus "
                               "metrics on this port (0: not served; the API process serves GET /metrics)")
 

@@ -26,6 +26,7 @@ from storage.checkpoint_files import (
     verified_manifest,
     write_snapshot_manifest,
 )
+from storage.external_weights import copy_adapter, is_external
 
 
 def peft_config(config: LoraConfig, base_model_path: str | Path):
@@ -69,10 +70,12 @@ def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path:
 
 def export_peft(checkpoint: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
     """Any checkpoint as a PEFT folder at the local path `dest`: a training state is converted, a
-    sampler snapshot (already PEFT) copied."""
+    sampler snapshot (already PEFT) copied, an external export's adapter copied."""
     folder = store.local_folder(checkpoint)
     if folder is not None and (folder / STATE_TENSORS).is_file():
         return export_peft_from_state(folder, dest, base_model_path)
+    if folder is not None and is_external(folder):
+        return copy_adapter(folder, dest)
     if folder is None or not (folder / PEFT_WEIGHTS).is_file():
         raise CheckpointError("the checkpoint is neither a training state nor a PEFT folder")
     failed = snapshot_integrity(folder)

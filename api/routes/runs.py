@@ -26,7 +26,7 @@ from db.models import Request as RequestRow
 from storage.checkpoint_files import CheckpointError
 
 router = APIRouter()
-CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler"}
+CHECKPOINT_TYPES = {"training_state": "training", "sampler": "sampler", "external": "external"}
 
 
 def iso(dt) -> str | None:

@@ -22,7 +22,7 @@ from api import quotas
 from api.input_policy import Id, Label, Metadata, NonNegInt32, Seed, SeqId, SessionSeq, StrMetadata, check_wire_text
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
 from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
-from api.paths import TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
+from api.paths import CHECKPOINT_KINDS, TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
 from api.paths import model_id as make_model_id
 from api.submit import submit
 from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, adam_params_from, check_adam_params
@@ -90,6 +90,14 @@ class SaveWeights(BaseModel):
     ttl_seconds: int | None = Field(default=None, ge=1, le=10 * 365 * 86400)
     overwrite: bool = False
     user_metadata: StrMetadata | None = None  # kept on the checkpoint
+
+
+class SaveWeightsExternal(BaseModel):
+    model_id: Id
+    seq_id: SeqId
+    path: Id  # the export's name
+    ttl_seconds: int | None = Field(default=None, ge=1, le=10 * 365 * 86400)
+    age_encryption_recipients: list[Label] | None = None
 
 
 class LoadWeights(BaseModel):
@@ -230,8 +238,9 @@ def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: Req
     folder = storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)
     if dir_kind == "sampler_weights":  # a new folder per save: samplers of an earlier save keep theirs
         folder = snapshot_folder(folder, body.seq_id)
-    payload = SaveWeightsPayload(kind="training_state" if dir_kind == "weights" else "sampler",
-                                 ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata, **snapshot,
+    external = {"base_model": model.base_model} if dir_kind == "external_weights" else {}  # as clients name it
+    payload = SaveWeightsPayload(kind=CHECKPOINT_KINDS[dir_kind], ttl_seconds=body.ttl_seconds,
+                                 user_metadata=body.user_metadata, **snapshot, **external,
                                  name=name, tinker_path=str(path), storage_path=folder)
     if payload.sampling_session_id and db.get(Sampler, payload.sampling_session_id) is None:
         db.add(Sampler(id=payload.sampling_session_id, tenant_id=tenant_id, session_id=model.session_id,
@@ -249,6 +258,17 @@ def save_weights(body: SaveWeights, request: Request, tenant: CurrentTenant, db:
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: SaveWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     return _save(request, db, tenant.id, body, RequestKind.SAVE_WEIGHTS_FOR_SAMPLER, "sampler_weights")
+
+
+@router.post("/save_weights_external")
+def save_weights_external(body: SaveWeightsExternal, request: Request, tenant: CurrentTenant, db: DB) -> dict:
+    """The adapter merged into the base model, as a Hugging Face folder, beside the PEFT adapter
+    (storage/external_weights.py); get_external_weights_urls then hands out its files."""
+    if body.age_encryption_recipients:
+        raise HTTPException(400, "age_encryption_recipients: encrypting exports with age is not supported by this "
+                                 "server; leave it unset (the download URLs are signed and expire)")
+    save = SaveWeights(model_id=body.model_id, seq_id=body.seq_id, path=body.path, ttl_seconds=body.ttl_seconds)
+    return _save(request, db, tenant.id, save, RequestKind.SAVE_WEIGHTS_EXTERNAL, "external_weights")
 
 
 @router.post("/load_weights")

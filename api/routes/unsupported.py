@@ -13,14 +13,9 @@ from api.deps import CurrentTenant
 router = APIRouter()
 
 UNSUPPORTED = {
-    ("POST", "/save_weights_external"): "save_weights_external (HF-format export): not supported by this server; "
-                                        "save_weights_for_sampler writes a PEFT folder, which `loraplex-admin "
-                                        "checkpoints export` copies out",
     ("POST", "/copy_weights"): "copy_weights: not supported by this server",
     ("POST", "/create_custom_loss"): "create_custom_loss (server-side custom losses): not supported by this server; "
                                      "the SDK's client-side forward_backward_custom works",
-    ("GET", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls"):
-        "external_weights_urls: this server has no external_weights checkpoints",
     ("PUT", "/sessions/{session_id}/project"): "assign_session_project: projects are not supported by this server",
     ("GET", "/sessions/{session_id}/trace_export"): "export_session_trace: not supported by this server",
     ("POST", "/sessions/search"): "search_sessions: not supported by this server; list_sessions and get_session are",

@@ -118,6 +118,10 @@ class Context:
         return self.new_sampler_weights()
 
     @cached_property
+    def external_path(self) -> str:
+        return self.training.save_weights_external(f"external-{uuid.uuid4().hex[:8]}").result().path
+
+    @cached_property
     def sampling(self) -> tinker.SamplingClient:
         return self.training.save_weights_and_get_sampling_client().result()
 
@@ -217,9 +221,8 @@ CALLS: dict[tuple[str, str], tuple[str, Callable[[Context, Callable], Any], str]
                                                         datetime.now(timezone.utc)), "admin"),
     ("RestClient", "get_current_checkpoint_storage_usage"): ("get_current_checkpoint_storage_usage()",
                                                             lambda c, m: m(), "admin"),
-    ("RestClient", "get_external_weights_urls"): ("get_external_weights_urls(tinker://RUN/external_weights/x)",
-                                                 lambda c, m: m(f"tinker://{c.run_id}/external_weights/x"),
-                                                 "no such checkpoint can exist here: save_weights_external is refused"),
+    ("RestClient", "get_external_weights_urls"): ("get_external_weights_urls(external path)",
+                                                 lambda c, m: m(c.external_path), ""),
     ("RestClient", "get_sampler"): ("get_sampler(sampler id)", lambda c, m: m(c.sampler_id), ""),
     ("RestClient", "get_server_capabilities"): ("get_server_capabilities()", lambda c, m: m(), ""),
     ("RestClient", "get_session"): ("get_session(session id)", lambda c, m: m(c.session_id), ""),

@@ -139,13 +139,20 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("PUT", f"{CHECKPOINT}/ttl"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint), fixed({"ttl_seconds": 7200})),
     ("GET", f"{CHECKPOINT}/archive"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint)),
     ("DELETE", CHECKPOINT): Example(OWNED, lambda w: checkpoint(w.ids.delete_checkpoint)),
-
+    # external weights (api/routes/external_weights.py): an export of the owner's model; the URLs of a
+    # checkpoint that is no export are refused (400). A file's URL needs no key: its signature is the
+    # credential, and one that does not verify is a 403 for anyone, whether or not the export exists.
     ("POST", f"{V1}/save_weights_external"): Example(OWNED, body=lambda w, seq: {
-        "model_id": w.ids.model, "seq_id": seq, "path": "external"}, **NOT_SUPPORTED),
+        "model_id": w.ids.model, "seq_id": seq, "path": "external"}),
+    ("GET", f"{CHECKPOINT}/external_weights_urls"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint),
+                                                            owner_status=frozenset({400})),
+    ("GET", f"{V1}/external_weights/{{run_id}}/{{name}}/{{file:path}}"): Example(
+        PUBLIC, lambda w: {"run_id": w.ids.model, "name": "external", "file": "config.json?expires=1&signature=0"},
+        owner_status=frozenset({403})),
+
     ("POST", f"{V1}/copy_weights"): Example(OWNED, body=lambda w, seq: {
         "source_path": w.ids.checkpoint, "model_id": w.ids.model}, **NOT_SUPPORTED),
     ("POST", f"{V1}/create_custom_loss"): Example(OWNED, body=lambda w, seq: {"model_id": w.ids.model}, **NOT_SUPPORTED),
-    ("GET", f"{CHECKPOINT}/external_weights_urls"): Example(OWNED, lambda w: checkpoint(w.ids.checkpoint), **NOT_SUPPORTED),
     ("PUT", f"{V1}/sessions/{{session_id}}/project"): Example(
         OWNED, lambda w: {"session_id": w.ids.session}, fixed({"project_id": "p"}), **NOT_SUPPORTED),
     ("GET", f"{V1}/sessions/{{session_id}}/trace_export"): Example(

@@ -10,6 +10,7 @@ begin alike (an RL group's prompt) compute that beginning once (`shared_prefix`)
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from contract.errors import EngineError, InvalidInputError, UnknownAdapterError
 from contract.inputs import ForwardBackwardInput
 from models.architectures import check_lora_config
 from models.registry import DEFAULT_CACHE_DIR, resolve_model
+from storage.external_weights import write_external_weights
 from workers.cpu_threads import intra_op_threads
 from workers.host_memory import retain_freed_host_memory
 from workers.sgmv import row_gemm
@@ -251,6 +253,13 @@ class TrainerEngine:
         adapter = self.adapter(adapter_id)
         metadata = {"policy_version": adapter.step, "adapter_id": adapter_id}
         return checkpoints.save_peft_adapter(adapter, path, self.model_path, metadata)
+
+    def save_external_weights(self, adapter_id: str, path: str | Path, base_model: str) -> Path:
+        """The adapter merged into the base model, a Hugging Face folder, beside its PEFT adapter
+        (storage/external_weights.py; `base_model`: the name users know the base by)."""
+        with tempfile.TemporaryDirectory(prefix="loraplex-export-") as tmp:
+            adapter = self.save_sampler_weights(adapter_id, Path(tmp) / "adapter")
+            return write_external_weights(Path(adapter), path, self.model_path, base_model)
 
     def save_state(self, adapter_id: str, path: str | Path, extra: dict | None = None, *,
                    with_gradients: bool = False) -> Path:

@@ -421,7 +421,7 @@ class InProcessExecutor:
                 return self._create_model(job, CreateModelPayload.parse(job.payload))
             case RequestKind.LOAD_WEIGHTS:
                 return self._load_weights(job, LoadWeightsPayload.parse(job.payload))
-            case RequestKind.SAVE_WEIGHTS | RequestKind.SAVE_WEIGHTS_FOR_SAMPLER:
+            case RequestKind.SAVE_WEIGHTS | RequestKind.SAVE_WEIGHTS_FOR_SAMPLER | RequestKind.SAVE_WEIGHTS_EXTERNAL:
                 return self._save_weights(job, SaveWeightsPayload.parse(job.payload))
             case RequestKind.REJECTED:  # the scheduler answers these from their recorded error
                 raise EngineError("a rejected request runs nothing; its recorded error is its outcome")
@@ -454,6 +454,8 @@ class InProcessExecutor:
         model_id, kind = job.request.model_id, job.request.kind
         if kind == RequestKind.SAVE_WEIGHTS:
             self.engine.save_state(model_id, body.storage_path)
+        elif kind == RequestKind.SAVE_WEIGHTS_EXTERNAL:
+            self.engine.save_external_weights(model_id, body.storage_path, body.base_model)
         else:
             self.engine.save_sampler_weights(model_id, body.storage_path)
         checkpoint = body.model_dump(include={"kind", "name", "tinker_path", "ttl_seconds", "user_metadata",
@@ -463,4 +465,6 @@ class InProcessExecutor:
             result = {"sampling_session_id": body.sampling_session_id, "type": kind}
         else:
             result = {"path": body.tinker_path, "type": kind}
+        if kind == RequestKind.SAVE_WEIGHTS_EXTERNAL:
+            result["size_bytes"] = checkpoint["size_bytes"]
         return Outcome.json(result, checkpoint=checkpoint)
