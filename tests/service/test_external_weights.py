@@ -8,6 +8,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 import urllib.error
 import urllib.request
@@ -194,3 +197,21 @@ def test_archive_of_an_export_is_its_peft_adapter(trained, export, server, api_k
     assert answer.status_code == 200
     with tarfile.open(fileobj=io.BytesIO(answer.content)) as tar:
         assert sorted(tar.getnames()) == ["adapter", "adapter/adapter_config.json", "adapter/adapter_model.safetensors"]
+
+
+def test_the_tinker_cli_downloads_an_export_and_a_training_state(trained, export, server, api_key, tmp_path):
+    """`tinker checkpoint download`: an export's files as they are; a training state through a temporary
+    export of its own (a new run loaded from it), which it deletes afterwards."""
+    tc, service_logprobs = trained
+    saved, rest = export
+    state = tc.save_state("for-cli").result().path
+    env = os.environ | {"TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": api_key}
+    for path in (saved.path, state):
+        subprocess.run([Path(sys.executable).parent / "tinker", "checkpoint", "download", path, "--output", tmp_path],
+                       env=env, check=True, timeout=300, capture_output=True)
+        folder = tmp_path / path.removeprefix("tinker://").replace("/", "_")
+        merged = AutoModelForCausalLM.from_pretrained(folder / "merged")
+        assert causal_logprobs(merged, TOKENS) == pytest.approx(torch.tensor(service_logprobs), abs=1e-4), path
+    exports = [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints
+               if c.checkpoint_type == "external"]
+    assert not [p for p in exports if p.endswith("/external_weights/download")]  # the temporary one is gone
