@@ -20,6 +20,7 @@ from api.dashboard.pages import install as install_dashboard_pages
 from api.routes import (
     external_weights, futures, rollouts, run_metrics, runs, sampling, service, sessions, tokenizers, training, unsupported,
 )
+from api.routes import session_trace
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.sampling_unavailable = sampling_unavailable
     for module in (service, sessions, training, futures, sampling, runs, external_weights, run_metrics, unsupported,
                    tokenizers, rollouts):
+        app.include_router(module.router, prefix="/api/v1")
+    for module in (session_trace,):  # sessions looked back at: search, Perfetto traces
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(responses_api.router)  # before openai_api's catch-all under the same prefix
     app.include_router(openai_api.router)

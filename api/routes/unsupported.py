@@ -17,7 +17,6 @@ UNSUPPORTED = {
     ("POST", "/create_custom_loss"): "create_custom_loss (server-side custom losses): not supported by this server; "
                                      "the SDK's client-side forward_backward_custom works",
     ("PUT", "/sessions/{session_id}/project"): "assign_session_project: projects are not supported by this server",
-    ("GET", "/sessions/{session_id}/trace_export"): "export_session_trace: not supported by this server",
     ("POST", "/sessions/search"): "search_sessions: not supported by this server; list_sessions and get_session are",
 }
 

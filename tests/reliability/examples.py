@@ -155,8 +155,10 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("POST", f"{V1}/create_custom_loss"): Example(OWNED, body=lambda w, seq: {"model_id": w.ids.model}, **NOT_SUPPORTED),
     ("PUT", f"{V1}/sessions/{{session_id}}/project"): Example(
         OWNED, lambda w: {"session_id": w.ids.session}, fixed({"project_id": "p"}), **NOT_SUPPORTED),
-    ("GET", f"{V1}/sessions/{{session_id}}/trace_export"): Example(
-        OWNED, lambda w: {"session_id": w.ids.session}, **NOT_SUPPORTED),
+    ("GET", f"{V1}/sessions/{{session_id}}/trace_export"): Example(OWNED, lambda w: {"session_id": w.ids.session}),
+    # the trace itself: its signed URL is the credential (a key alone gets nothing)
+    ("GET", f"{V1}/sessions/{{session_id}}/session.pftrace"): Example(
+        PUBLIC, lambda w: {"session_id": w.ids.session}, owner_status=frozenset({403})),
     ("POST", f"{V1}/sessions/search"): Example(TENANT, body=fixed({"user_metadata": {}, "limit": 50}),
                                                owner_status=frozenset({400})),
 
