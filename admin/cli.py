@@ -13,6 +13,8 @@ dir) and the distributed one (LORAPLEX_DATABASE_URL=postgresql+psycopg://...) al
     loraplex-admin models rebuild MODEL_ID         # after "cannot be restored": last verified base + replay
     loraplex-admin checkpoints list --json         # every list command: --json for scripts
     loraplex-admin trainers                        # the running trainers' memory: resident, paged, page-ins
+    loraplex-admin projects list alice             # alice's projects: sessions, runs, checkpoints in each
+    loraplex-admin audit --tenant alice --category checkpoints   # who copied, deleted, published what
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from pathlib import Path
 import sqlalchemy as sa
 import typer
 
+from admin.audit_cli import audit_log
 from admin.common import console, session, sessions, state, tenant_named
 from admin.models_cli import _checkpoint, models_app
 from admin.operator_keys_cli import operator_keys_app
+from admin.projects_cli import projects_app
 from admin.trainers_cli import trainers
 from admin.output import JSON_OPTION, human_bytes, show
+from db import audit
 from db import usage as usage_queries
 from db.models import QUOTA_FIELDS, ApiKey, Checkpoint, Quota, Tenant, TrainingModel, utcnow
 from db.tenants import create_tenant, issue_key
@@ -41,7 +46,7 @@ keys_app = typer.Typer(no_args_is_help=True, help="issue, list, revoke")
 quotas_app = typer.Typer(no_args_is_help=True, help="set, show")
 checkpoints_app = typer.Typer(no_args_is_help=True, help="list, export, delete, prune-expired")
 for sub, name in ((tenants_app, "tenants"), (keys_app, "keys"), (quotas_app, "quotas"), (checkpoints_app, "checkpoints"),
-                  (models_app, "models"), (operator_keys_app, "operator-keys")):
+                  (models_app, "models"), (operator_keys_app, "operator-keys"), (projects_app, "projects")):
     app.add_typer(sub, name=name)
 
 
@@ -76,9 +81,12 @@ def tenants_create(name: str) -> None:
     """Create a tenant; its first API key is printed once (only a hash is stored)."""
     with session() as s:
         try:
-            _, key = create_tenant(s, name)
+            tenant, key = create_tenant(s, name)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="NAME") from None
+        audit.record(s, tenant.id, "organizations", "tenant_create", audit.OPERATOR, tenant=name,
+                     api_key=key[:12] + "...")
+        s.commit()
     console.print(f"tenant {name!r} created; API key (shown once):")
     print(key)
 
@@ -93,7 +101,10 @@ def tenants_list(as_json: bool = JSON_OPTION) -> None:
 
 def _set_disabled(name: str, disabled: bool) -> None:
     with session() as s:
-        tenant_named(s, name).disabled = disabled
+        tenant = tenant_named(s, name)
+        tenant.disabled = disabled
+        audit.record(s, tenant.id, "organizations", "tenant_disable" if disabled else "tenant_enable", audit.OPERATOR,
+                     tenant=name)
         s.commit()
     console.print(f"tenant {name!r} {'disabled: its keys stop working now' if disabled else 'enabled'}")
 
@@ -116,7 +127,10 @@ def tenants_enable(name: str) -> None:
 def keys_issue(tenant: str) -> None:
     """Issue another API key for TENANT, printed once."""
     with session() as s:
-        key = issue_key(s, tenant_named(s, tenant))
+        owner = tenant_named(s, tenant)
+        key = issue_key(s, owner)
+        audit.record(s, owner.id, "organizations", "api_key_issue", audit.OPERATOR, api_key=key[:12] + "...")
+        s.commit()
     console.print(f"new API key of tenant {tenant!r} (shown once, only its hash is stored):", highlight=False)
     print(key)
 
@@ -143,6 +157,8 @@ def keys_revoke(key_prefix: str = typer.Argument(..., help="the key's first char
         if len(matches) != 1:
             raise typer.BadParameter(f"{len(matches)} keys match {key_prefix!r}; give more characters", param_hint="KEY_PREFIX")
         matches[0].revoked_at = utcnow()
+        audit.record(s, matches[0].tenant_id, "organizations", "api_key_revoke", audit.OPERATOR,
+                     api_key=matches[0].key_prefix + "...")
         s.commit()
     console.print(f"key {matches[0].key_prefix}... revoked")
 
@@ -187,6 +203,8 @@ def quotas_set(
             if value != "keep":
                 setattr(quota, field, value)
         s.add(quota)
+        audit.record(s, owner.id, "organizations", "quota_set", audit.OPERATOR,
+                     **{field: getattr(quota, field) for field in QUOTA_FIELDS})
         s.commit()
     quotas_show(tenant)
 
@@ -240,7 +258,10 @@ def checkpoints_delete(tinker_path: str) -> None:
     from db.checkpoints import delete_checkpoint
 
     with session() as s:
-        delete_checkpoint(s, _checkpoint(s, tinker_path))
+        row = _checkpoint(s, tinker_path)
+        delete_checkpoint(s, row)
+        audit.record(s, row.tenant_id, "checkpoints", "checkpoint_delete", audit.OPERATOR, model_id=row.model_id,
+                     tinker_path=row.tinker_path)
         s.commit()
     console.print(f"{tinker_path} deleted")
 
@@ -276,6 +297,7 @@ def usage(tenant: str | None = typer.Option(None), days: int = typer.Option(1, m
 
 
 app.command("trainers")(trainers)
+app.command("audit")(audit_log)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ from api.public_errors import MAX_ERROR_CHARS, public_error
 from api.request_guard import RequestGuard
 from api.dashboard import json_routers as dashboard_routers
 from api.dashboard.pages import install as install_dashboard_pages
+from api.auth_tokens import issuer_from
 from api.routes import (
-    external_weights, futures, rollouts, run_metrics, runs, sampling, service, sessions, tokenizers, training, unsupported,
+    auth, copies, external_weights, futures, projects, reports, rollouts, run_metrics, runs, sampling, service,
+    sessions, tokenizers, training, unsupported,
 )
 from api.routes import session_trace
 
@@ -37,8 +39,9 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     app.state.model_info = model_info
     app.state.sampling = sampling_dispatcher
     app.state.sampling_unavailable = sampling_unavailable
-    for module in (service, sessions, training, futures, sampling, runs, external_weights, run_metrics, unsupported,
-                   tokenizers, rollouts):
+    app.state.tokens = issuer_from(settings)  # None: plain API keys only (jwt_auth off)
+    for module in (service, auth, sessions, projects, training, copies, futures, sampling, runs, external_weights,
+                   reports, run_metrics, unsupported, tokenizers, rollouts):
         app.include_router(module.router, prefix="/api/v1")
     for module in (session_trace,):  # sessions looked back at: search, Perfetto traces
         app.include_router(module.router, prefix="/api/v1")

@@ -15,6 +15,7 @@ from fastapi import Depends, Header, HTTPException, Query, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.auth_tokens import INVALID_TOKEN, TokenIssuer, looks_like_jwt
 from db.models import ApiKey, Tenant
 from db.tenants import hash_key
 
@@ -23,16 +24,20 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class TenantRef:
-    """The authenticated caller: routes only need its id."""
+    """The authenticated caller: most routes only need its id; the audit log and the token
+    exchange need the key it authenticated with."""
 
     id: str
+    key_id: str | None = None
+    key_prefix: str | None = None
 
 
 # Columns, not ORM entities: half the cost of loading a Tenant, on every authenticated call.
-_KEY_LOOKUP = (
-    sa.select(Tenant.id, Tenant.disabled).join(ApiKey, ApiKey.tenant_id == Tenant.id)
-    .where(ApiKey.key_hash == sa.bindparam("key_hash"), ApiKey.revoked_at.is_(None))
-)
+_KEY_COLUMNS = sa.select(Tenant.id, Tenant.disabled, ApiKey.id.label("key_id"), ApiKey.key_prefix) \
+    .join(ApiKey, ApiKey.tenant_id == Tenant.id).where(ApiKey.revoked_at.is_(None))
+_KEY_LOOKUP = _KEY_COLUMNS.where(ApiKey.key_hash == sa.bindparam("key_hash"))
+# A token (api/auth_tokens.py) names its key by id: that key must still be live, in the token's tenant.
+_TOKEN_KEY_LOOKUP = _KEY_COLUMNS.where(ApiKey.id == sa.bindparam("key_id"), Tenant.id == sa.bindparam("tenant_id"))
 
 # A route parameter named `x_api_key` of this type reads the X-API-Key header.
 ApiKeyHeader = Annotated[str | None, Header()]
@@ -51,19 +56,29 @@ def db_session(request: Request) -> Iterator[Session]:
 DB = Annotated[Session, Depends(db_session)]
 
 
-def tenant_of_key(db: Session, api_key: str | None) -> TenantRef | None:
-    """The tenant of a live key (not revoked, tenant not disabled), or None."""
+def tenant_of_key(db: Session, api_key: str | None, tokens: TokenIssuer | None = None) -> TenantRef | None:
+    """The tenant of a live key (not revoked, tenant not disabled), or None. With `tokens` (the app's
+    `state.tokens`), a token the exchange issued for a live key counts as that key."""
     if not api_key:
         return None
-    row = db.execute(_KEY_LOOKUP, {"key_hash": hash_key(api_key)}).first()
-    return None if row is None or row.disabled else TenantRef(row.id)
+    if tokens is not None and looks_like_jwt(api_key):
+        claims = tokens.verify(api_key)
+        if claims is None:
+            return None
+        row = db.execute(_TOKEN_KEY_LOOKUP, {"key_id": claims["key_id"], "tenant_id": claims["tenant_id"]}).first()
+    else:
+        row = db.execute(_KEY_LOOKUP, {"key_hash": hash_key(api_key)}).first()
+    return None if row is None or row.disabled else TenantRef(row.id, row.key_id, row.key_prefix)
 
 
-def authenticate(db: Session, api_key: str | None) -> TenantRef:
+def authenticate(db: Session, api_key: str | None, tokens: TokenIssuer | None = None) -> TenantRef:
     if not api_key:
         raise HTTPException(401, "missing X-API-Key header")
-    tenant = tenant_of_key(db, api_key)
+    tenant = tenant_of_key(db, api_key, tokens)
     if tenant is None:
+        if looks_like_jwt(api_key):  # expired, or of a revoked key: the SDK exchanges its key again
+            raise HTTPException(401, "X-API-Key: the token is expired, invalid or of a revoked key",
+                                headers=INVALID_TOKEN)
         raise HTTPException(401, "invalid, revoked or disabled API key")
     # End the read transaction: its pooled connection goes back now, not when the request ends
     # (a long-poll would hold it for up to 30 s; a few dozen of them exhausted the pool).
@@ -71,8 +86,8 @@ def authenticate(db: Session, api_key: str | None) -> TenantRef:
     return tenant
 
 
-def current_tenant(db: DB, x_api_key: ApiKeyHeader = None) -> TenantRef:
-    return authenticate(db, x_api_key)
+def current_tenant(request: Request, db: DB, x_api_key: ApiKeyHeader = None) -> TenantRef:
+    return authenticate(db, x_api_key, request.app.state.tokens)
 
 
 CurrentTenant = Annotated[TenantRef, Depends(current_tenant)]
@@ -83,6 +98,6 @@ async def in_tenant_session(request: Request, api_key: str | None, work: Callabl
 
     def run() -> T:
         with request.app.state.sessions() as db:
-            return work(db, authenticate(db, api_key))
+            return work(db, authenticate(db, api_key, request.app.state.tokens))
 
     return await run_in_threadpool(run)

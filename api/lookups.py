@@ -24,9 +24,14 @@ def owned_model(db: Session, tenant_id: str, model_id: str) -> TrainingModel:
 
 
 def check_owned_model(db: Session, tenant_id: str, model_id: str) -> None:
-    """owned_model without loading the row: the hot routes (forward_backward, optim_step) only check."""
-    row = db.execute(sa.select(TrainingModel.tenant_id, TrainingModel.deleted_at).where(TrainingModel.id == model_id)).first()
+    """owned_model without loading the row: the hot routes (forward_backward, optim_step) only check.
+    They train, so a run that holds a copied checkpoint (copy_weights) is refused too."""
+    row = db.execute(sa.select(TrainingModel.tenant_id, TrainingModel.deleted_at, TrainingModel.copied_from)
+                     .where(TrainingModel.id == model_id)).first()
     _refuse_unless_owned(row, tenant_id, model_id)
+    if row.copied_from is not None:
+        raise HTTPException(400, f"model_id: run {model_id!r} holds a copy of {row.copied_from} and cannot be "
+                                 "trained; create a training client from the copy's path instead")
 
 
 def _refuse_unless_owned(row, tenant_id: str, model_id: str) -> None:

@@ -126,7 +126,7 @@ def record_refusal(app_state: Any, api_key: str | None, model_id: str, seq_id: i
     """Record the refused request as failed, so its seq_id passes; True if it was recorded."""
     db: Session
     with app_state.sessions() as db:
-        tenant = tenant_of_key(db, api_key)
+        tenant = tenant_of_key(db, api_key, app_state.tokens)
         owner = db.get(TrainingModel, model_id) if tenant is not None else None
         if owner is None or owner.tenant_id != tenant.id or owner.deleted_at is not None:
             return False

@@ -112,7 +112,7 @@ class RequestGuard:
 
         def lookup() -> bool:
             with state.sessions() as db:
-                return tenant_of_key(db, key) is not None
+                return tenant_of_key(db, key, state.tokens) is not None
 
         if not await run_in_threadpool(lookup):
             return False

@@ -128,13 +128,31 @@ QUOTA_FIELDS = ("max_live_models", "max_lora_rank", "train_tokens_per_day", "sam
                 "max_concurrent_requests", "max_checkpoint_bytes", "rollout_ttl_seconds", "max_rollout_bytes")
 
 
+class Project(Base):
+    """A name a tenant files sessions under (the SDK's `project_id`), and through them their runs,
+    samplers and checkpoints. Made on first use (db/projects.py); two tenants may use the same name."""
+
+    __tablename__ = "projects"
+
+    tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), primary_key=True)
+    id: Mapped[str] = mapped_column(primary_key=True)  # the name itself, as the SDK sends it
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class ClientSession(Base):
     """A client SDK session: groups the models and samplers one `ServiceClient` created."""
 
     __tablename__ = "sessions"
+    __table_args__ = (
+        # The project is looked up within the session's own tenant: one tenant's session can never
+        # name (or be filed under) another tenant's project, whatever a route does.
+        sa.ForeignKeyConstraint(["tenant_id", "project_id"], ["projects.tenant_id", "projects.id"]),
+        sa.Index(None, "tenant_id", "project_id"),
+    )
 
     id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
     tenant_id: Mapped[str] = mapped_column(sa.ForeignKey("tenants.id"), index=True)
+    project_id: Mapped[str | None]  # None: in no project
     tags: Mapped[list[str]] = _json()
     user_metadata: Mapped[dict[str, Any]] = _json()
     sdk_version: Mapped[str | None]
@@ -159,6 +177,9 @@ class TrainingModel(Base):
     deleted_at: Mapped[datetime | None]
     last_applied_seq_id: Mapped[int] = mapped_column(default=0)  # highest seq_id executed
     worker_id: Mapped[str | None]  # the worker holding the adapter; None when not placed
+    # copy_weights: the checkpoint this run holds a copy of. Such a run holds that copy only and is
+    # never trained (the SDK's contract); it counts as no live model.
+    copied_from: Mapped[str | None]
 
 
 class Sampler(Base):
@@ -228,6 +249,21 @@ class Checkpoint(Base):
     user_metadata: Mapped[dict[str, Any] | None] = _json(nullable=True)  # as the save request carried it
     # An unnamed sampler snapshot: deleted once superseded and unused (scheduler/janitor.py)
     ephemeral: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
+
+
+class AuditEvent(Base):
+    """Something a tenant or an operator did that changes or reads what is stored (db/audit.py)."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (sa.Index(None, "tenant_id", "created_at"), sa.Index(None, "created_at"))
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_id)
+    tenant_id: Mapped[str | None] = mapped_column(sa.ForeignKey("tenants.id"))  # None: no tenant's (operator keys)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    category: Mapped[str]  # what the SDK's event_type filter names: "checkpoints", "projects", "organizations"
+    event: Mapped[str]  # "<resource>_<action>", e.g. checkpoint_copy, project_create, api_key_revoke
+    actor: Mapped[str]  # "api_key:<prefix>" or "operator"
+    details: Mapped[dict[str, Any]] = _json()
 
 
 class RecordedSequence(Base):

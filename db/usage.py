@@ -35,7 +35,8 @@ def storage_bytes(s: Session, tenant_id: str) -> int:
 
 def live_models(s: Session, tenant_id: str) -> int:
     return int(s.scalar(sa.select(sa.func.count()).select_from(TrainingModel).where(
-        TrainingModel.tenant_id == tenant_id, TrainingModel.deleted_at.is_(None))))
+        TrainingModel.tenant_id == tenant_id, TrainingModel.deleted_at.is_(None),
+        TrainingModel.copied_from.is_(None))))  # a run holding a copy is never trained: no live model
 
 
 def requests_in_flight(s: Session, tenant_id: str) -> int:

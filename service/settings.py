@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models import registry
@@ -96,6 +96,14 @@ class Settings(BaseSettings):
                                       "external weights stays valid (get_external_weights_urls)")
     metrics_port: int = Field(0, description="the scheduler, sampler and trainer worker processes serve their Prometheus "
                               "metrics on this port (0: not served; the API process serves GET /metrics)")
+    jwt_auth: bool = Field(True, description="offer the Tinker SDK's token exchange (POST /api/v1/auth/token): the SDK "
+                           "swaps its API key for a short-lived signed token, which whoami reads; plain API keys are "
+                           "accepted either way (api/auth_tokens.py)")
+    jwt_signing_key: SecretStr = Field(SecretStr(""), description="the secret the exchange's tokens are signed with "
+                                       "(HS256; at least 32 bytes); every API replica needs the same one (empty: "
+                                       "generated once and kept in data_dir/jwt_signing_key)")
+    jwt_lifetime_seconds: int = Field(900, ge=300, le=86400, description="how long an exchanged token is valid; the SDK "
+                                      "exchanges again at about half of it")
 
     # --- distributed mode -------------------------------------------------------------------------
     executor: Literal["local", "celery"] = Field(

@@ -17,9 +17,10 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from api.deps import DB, CurrentTenant, Limit, Offset
-from api.input_policy import Int64, readable
+from api.input_policy import Int64, Label, readable
 from api.lookups import owned_model
 from api.paths import TinkerPath
+from db import audit, projects
 from db import checkpoints as stored_checkpoints
 from db.models import Checkpoint, TrainingModel, utcnow
 from db.models import Request as RequestRow
@@ -62,8 +63,9 @@ def run_json(db: DB, run: TrainingModel) -> dict:
 
 
 @router.get("/training_runs")
-def list_runs(tenant: CurrentTenant, db: DB, limit: Limit = 20, offset: Offset = 0) -> dict:
-    where = (TrainingModel.tenant_id == tenant.id, TrainingModel.deleted_at.is_(None))
+def list_runs(tenant: CurrentTenant, db: DB, limit: Limit = 20, offset: Offset = 0, project_id: Label | None = None) -> dict:
+    where = (TrainingModel.tenant_id == tenant.id, TrainingModel.deleted_at.is_(None),
+             *([projects.in_project(tenant.id, project_id)] if project_id is not None else []))
     total = db.scalar(sa.select(sa.func.count()).select_from(TrainingModel).where(*where))
     runs = db.scalars(sa.select(TrainingModel).where(*where).order_by(TrainingModel.created_at.desc())
                       .limit(limit).offset(offset)).all()
@@ -76,8 +78,11 @@ def get_run(run_id: str, tenant: CurrentTenant, db: DB) -> dict:
     return run_json(db, owned_model(db, tenant.id, run_id))
 
 
-def _checkpoints(db: DB, tenant_id: str, run_id: str | None, limit: int, offset: int) -> dict:
+def _checkpoints(db: DB, tenant_id: str, run_id: str | None, limit: int, offset: int,
+                 project_id: str | None = None) -> dict:
     where = [Checkpoint.tenant_id == tenant_id] + ([Checkpoint.model_id == run_id] if run_id else [])
+    if project_id is not None:
+        where.append(projects.checkpoints_in_project(tenant_id, project_id))
     total = db.scalar(sa.select(sa.func.count()).select_from(Checkpoint).where(*where))
     rows = db.scalars(sa.select(Checkpoint).where(*where).order_by(Checkpoint.created_at.desc())
                       .limit(limit).offset(offset)).all()
@@ -92,8 +97,9 @@ def list_run_checkpoints(run_id: str, tenant: CurrentTenant, db: DB, limit: Limi
 
 
 @router.get("/checkpoints")
-def list_checkpoints(tenant: CurrentTenant, db: DB, limit: Limit = 100, offset: Offset = 0) -> dict:
-    return _checkpoints(db, tenant.id, None, limit, offset)
+def list_checkpoints(tenant: CurrentTenant, db: DB, limit: Limit = 100, offset: Offset = 0,
+                     project_id: Label | None = None) -> dict:
+    return _checkpoints(db, tenant.id, None, limit, offset, project_id)
 
 
 def owned_checkpoint(db: DB, tenant_id: str, run_id: str, checkpoint_id: str) -> Checkpoint:
@@ -105,12 +111,18 @@ def owned_checkpoint(db: DB, tenant_id: str, run_id: str, checkpoint_id: str) ->
     return row
 
 
+def _audit(db: DB, tenant, event: str, row: Checkpoint, **details) -> None:
+    audit.record(db, tenant.id, "checkpoints", event, audit.api_key_actor(tenant.key_prefix), model_id=row.model_id,
+                 tinker_path=row.tinker_path, **details)
+
+
 @router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
 def publish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
     """Idempotent: publishing a public checkpoint again succeeds. The SDK retries a 409 (which
     Tinker's docs list for it) for five minutes before it raises."""
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
     row.public = True
+    _audit(db, tenant, "checkpoint_publish", row)
     db.commit()
     return {}
 
@@ -120,6 +132,7 @@ def unpublish(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) ->
     """Idempotent, as publish is."""
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
     row.public = False
+    _audit(db, tenant, "checkpoint_unpublish", row)
     db.commit()
     return {}
 
@@ -134,6 +147,7 @@ def set_ttl(run_id: str, checkpoint_id: str, body: Ttl, tenant: CurrentTenant, d
     if body.ttl_seconds is not None and not 3600 <= body.ttl_seconds <= 10 * 365 * 86400:
         raise HTTPException(400, "ttl_seconds: must be between 3600 s and 10 years, or null")
     row.expires_at = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
+    _audit(db, tenant, "checkpoint_ttl_set", row, ttl_seconds=body.ttl_seconds)
     db.commit()
     return {}
 
@@ -162,6 +176,8 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
 def delete_checkpoint(run_id: str, checkpoint_id: str, tenant: CurrentTenant, db: DB) -> dict:
-    stored_checkpoints.delete_checkpoint(db, owned_checkpoint(db, tenant.id, run_id, checkpoint_id))
+    row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    stored_checkpoints.delete_checkpoint(db, row)
+    _audit(db, tenant, "checkpoint_delete", row)
     db.commit()
     return {}

@@ -8,8 +8,10 @@ router = APIRouter()
 
 
 @router.post("/client/config")
-def client_config() -> dict:
-    return {}  # every SDK default fits this server
+def client_config(request: Request) -> dict:
+    # Every other SDK default fits this server. With tokens on, the SDK exchanges its key for one
+    # (POST /auth/token) and whoami reads it; off, the SDK sends its API key on every request.
+    return {"pjwt_auth_enabled": request.app.state.tokens is not None}
 
 
 @router.post("/client/dynamic_config")

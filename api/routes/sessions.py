@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from api.deps import DB, CurrentTenant, Limit, Offset
 from api.input_policy import Id, Label, Metadata, Tags, metadata_problem, readable
 from api.lookups import owned_session
+from api.routes.projects import file_under_project
 from db.models import ClientSession, Sampler, TrainingModel, utcnow
 
 router = APIRouter()
@@ -20,7 +21,7 @@ class CreateSession(BaseModel):
     tags: Tags = Field(default_factory=list)
     user_metadata: Metadata = Field(default_factory=dict)
     sdk_version: Label | None = None
-    project_id: Label | None = None  # not kept: tenants, no projects
+    project_id: Label | None = None  # made on first use (api/routes/projects.py)
     display_name: Label | None = None
 
 
@@ -37,6 +38,8 @@ def create_session(body: CreateSession, tenant: CurrentTenant, db: DB) -> dict:
             raise HTTPException(422, f"display_name: with user_metadata, {problem}")
     row = ClientSession(tenant_id=tenant.id, tags=body.tags, user_metadata=metadata, sdk_version=body.sdk_version)
     db.add(row)
+    if body.project_id:
+        file_under_project(db, tenant, row, body.project_id)
     db.commit()
     return {"type": "create_session", "session_id": row.id}
 

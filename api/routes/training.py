@@ -108,6 +108,7 @@ class LoadWeights(BaseModel):
     session_id: Id | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
     model_seq_id: SessionSeq | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    user_metadata: Metadata | None = None  # create-via-load: the new run's (TrainingRun.user_metadata)
 
 
 def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
@@ -289,7 +290,7 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
             db.add(TrainingModel(
                 id=mid, tenant_id=tenant.id, session_id=body.session_id,
                 base_model=source.base_model if source else request.app.state.model_info.name,
-                lora_config=manifest["lora_config"], user_metadata={}, last_applied_seq_id=-1,
+                lora_config=manifest["lora_config"], user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
             ))
             db.flush()
     elif body.model_id is not None and body.seq_id is not None:

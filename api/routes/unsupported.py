@@ -13,10 +13,8 @@ from api.deps import CurrentTenant
 router = APIRouter()
 
 UNSUPPORTED = {
-    ("POST", "/copy_weights"): "copy_weights: not supported by this server",
     ("POST", "/create_custom_loss"): "create_custom_loss (server-side custom losses): not supported by this server; "
                                      "the SDK's client-side forward_backward_custom works",
-    ("PUT", "/sessions/{session_id}/project"): "assign_session_project: projects are not supported by this server",
     ("POST", "/sessions/search"): "search_sessions: not supported by this server; list_sessions and get_session are",
 }
 

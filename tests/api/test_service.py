@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 
 def test_client_config_health_and_telemetry(api):
-    assert api.client.post("/client/config", json={"sdk_version": "0.38.0"}).json() == {}
+    assert api.client.post("/client/config", json={"sdk_version": "0.38.0"}).json() == {"pjwt_auth_enabled": True}
     assert api.client.post("/client/dynamic_config", json={}).json() == {"refresh_interval_sec": 300}
     assert api.client.get("/healthz").json() == {"status": "ok"}
     telemetry = api.as_tenant(api.key("ada")).post("/telemetry", json={"events": [{"name": "x"}]})

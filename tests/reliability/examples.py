@@ -101,6 +101,12 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("GET", f"{V1}/sessions"): Example(TENANT),
     ("GET", f"{V1}/training_runs"): Example(TENANT),
     ("GET", f"{V1}/checkpoints"): Example(TENANT),
+    # the SDK's token exchange, and the reports of its AdminClient: the caller's own tenant's
+    ("POST", f"{V1}/auth/token"): Example(TENANT, body=fixed({})),
+    ("GET", f"{V1}/audit"): Example(TENANT),
+    ("GET", f"{V1}/billing/usage/checkpoints/current"): Example(TENANT),
+    # its window (starting_on, ending_before) is required: the call without one is refused, naming them
+    ("GET", f"{V1}/billing/usage/events"): Example(TENANT, owner_status=frozenset({422})),
     # the served base model's tokenizer files: any tenant's, none of them tenant data
     ("GET", f"{V1}/tokenizers/{{model:path}}/files"): Example(TENANT, lambda w: {"model": "tiny"}),
     ("GET", f"{V1}/tokenizers/{{model:path}}/files/{{filename}}"): Example(
@@ -126,6 +132,10 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("POST", f"{V1}/retrieve_future"): Example(OWNED, body=lambda w, seq: {"request_id": w.ids.request}),
     ("POST", f"{V1}/create_sampling_session"): Example(OWNED, body=lambda w, seq: {
         "session_id": w.ids.session, "sampling_session_seq_id": 1, "model_path": w.ids.sampler_weights}),
+    ("POST", f"{V1}/copy_weights"): Example(OWNED, body=lambda w, seq: {
+        "source_path": w.ids.checkpoint, "destination_project_id": "matrix"}),
+    ("PUT", f"{V1}/sessions/{{session_id}}/project"): Example(
+        OWNED, lambda w: {"session_id": w.ids.session}, fixed({"project_id": "matrix"})),
     ("GET", f"{V1}/samplers/{{sampling_session_id}}"): Example(OWNED, lambda w: {"sampling_session_id": w.ids.sampler}),
     ("POST", f"{V1}/asample"): Example(OWNED, body=lambda w, seq: {"sampling_session_id": w.ids.sampler, "seq_id": seq,
                                                                   **SAMPLE}, needs_sampler=True),
@@ -150,11 +160,7 @@ EXAMPLES: dict[tuple[str, str], Example] = {
         PUBLIC, lambda w: {"run_id": w.ids.model, "name": "external", "file": "config.json?expires=1&signature=0"},
         owner_status=frozenset({403})),
 
-    ("POST", f"{V1}/copy_weights"): Example(OWNED, body=lambda w, seq: {
-        "source_path": w.ids.checkpoint, "model_id": w.ids.model}, **NOT_SUPPORTED),
     ("POST", f"{V1}/create_custom_loss"): Example(OWNED, body=lambda w, seq: {"model_id": w.ids.model}, **NOT_SUPPORTED),
-    ("PUT", f"{V1}/sessions/{{session_id}}/project"): Example(
-        OWNED, lambda w: {"session_id": w.ids.session}, fixed({"project_id": "p"}), **NOT_SUPPORTED),
     ("GET", f"{V1}/sessions/{{session_id}}/trace_export"): Example(OWNED, lambda w: {"session_id": w.ids.session}),
     # the trace itself: its signed URL is the credential (a key alone gets nothing)
     ("GET", f"{V1}/sessions/{{session_id}}/session.pftrace"): Example(

@@ -1,0 +1,93 @@
+"""Short-lived signed tokens for the Tinker SDK's auth exchange (docs/operations.md, "Tokens").
+
+With `jwt_auth` on, the client config tells the SDK `pjwt_auth_enabled`; the SDK then posts its API key
+to /api/v1/auth/token, gets a JWT (HS256, signed with the server's secret) and sends that as X-API-Key
+until it nears expiry. The token names the key it was exchanged for: each use still checks that key
+and its tenant are live, so revoking the key or disabling the tenant ends its tokens at once. Keys stay
+hashed at rest; tokens are never stored.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from functools import cached_property
+from pathlib import Path
+
+import jwt
+
+ALGORITHM = "HS256"
+ISSUER = "loraplex"
+SECRET_FILE = "jwt_signing_key"
+MIN_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key at least as long as the hash
+# What a JWT starts with (the base64 of '{"'); a Tinker SDK refuses any other credential that is not tml-.
+JWT_PREFIX = "eyJ"
+# The 401 header that makes the SDK exchange its key again and replay the request once (RFC 6750).
+INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+
+
+def looks_like_jwt(credential: str) -> bool:
+    return credential.startswith(JWT_PREFIX) and credential.count(".") == 2
+
+
+class TokenIssuer:
+    """Signs and verifies the exchange's tokens. The claims are what the SDK's whoami reads (sub,
+    org_id, email) plus the ids this server checks on each use (tenant_id, key_id)."""
+
+    def __init__(self, secret: Callable[[], bytes], lifetime_seconds: int) -> None:
+        """`secret` is read on first use: an app that never sees a token makes no secret file."""
+        self._read_secret, self.lifetime_seconds = secret, lifetime_seconds
+
+    @cached_property
+    def _secret(self) -> bytes:
+        secret = self._read_secret()
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"jwt_signing_key: at least {MIN_SECRET_BYTES} bytes are needed, got {len(secret)}")
+        return secret
+
+    def issue(self, *, key_id: str, tenant_id: str, tenant_name: str) -> str:
+        now = int(time.time())
+        claims = {"iss": ISSUER, "sub": f"loraplex:api_key:{key_id}", "org_id": tenant_name, "email": "",
+                  "tenant_id": tenant_id, "key_id": key_id, "iat": now, "exp": now + self.lifetime_seconds}
+        return jwt.encode(claims, self._secret, algorithm=ALGORITHM)
+
+    def verify(self, token: str) -> dict | None:
+        """The claims of a token this server signed and that has not expired; None otherwise."""
+        try:
+            return jwt.decode(token, self._secret, algorithms=[ALGORITHM], issuer=ISSUER,
+                              options={"require": ["exp", "iat", "sub", "tenant_id", "key_id"]})
+        except jwt.InvalidTokenError:
+            return None
+
+
+def signing_secret(configured: str, data_dir: Path) -> bytes:
+    """The configured secret, else the one kept in the data dir (made on first start, readable by the
+    service's user only). Replicas that share the data dir share it; others need the setting."""
+    if configured:
+        return configured.encode()
+    path = data_dir / SECRET_FILE
+    try:
+        return path.read_bytes().strip()
+    except FileNotFoundError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True)
+    draft = data_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    draft.write_bytes(secrets.token_urlsafe(48).encode())
+    draft.chmod(0o600)
+    try:  # link, not rename: of two processes starting at once, the first one's secret is the one kept
+        os.link(draft, path)
+    except FileExistsError:
+        pass
+    finally:
+        draft.unlink()
+    return path.read_bytes().strip()
+
+
+def issuer_from(settings) -> TokenIssuer | None:
+    """The issuer these settings call for; None when jwt_auth is off."""
+    if not settings.jwt_auth:
+        return None
+    configured, data_dir = settings.jwt_signing_key.get_secret_value(), settings.data_dir
+    return TokenIssuer(lambda: signing_secret(configured, data_dir), settings.jwt_lifetime_seconds)
