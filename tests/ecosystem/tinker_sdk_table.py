@@ -134,6 +134,11 @@ class Context:
         return self.service.create_sampling_client(model_path=self.sampler_path).result()._sampling_session_id
 
 
+def _this_hour() -> datetime:
+    """Now, down to the hour: billing usage windows start and end on UTC hours (the SDK's contract)."""
+    return datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+
+
 def checkpoint_id(path: str) -> str:
     return path.split("/", 3)[3]
 
@@ -216,9 +221,8 @@ CALLS: dict[tuple[str, str], tuple[str, Callable[[Context, Callable], Any], str]
                                                           lambda c, m: m(c.new_state()), "of a new one"),
     ("RestClient", "export_session_trace"): ("export_session_trace(session id)", lambda c, m: m(c.session_id), ""),
     ("RestClient", "get_audit_log"): ("get_audit_log()", lambda c, m: m(), "admin"),
-    ("RestClient", "get_billing_usage"): ("get_billing_usage(a day ago, now)",
-                                         lambda c, m: m(datetime.now(timezone.utc) - timedelta(days=1),
-                                                        datetime.now(timezone.utc)), "admin"),
+    ("RestClient", "get_billing_usage"): ("get_billing_usage(the last 24 whole hours)",
+                                         lambda c, m: m(_this_hour() - timedelta(days=1), _this_hour()), "admin"),
     ("RestClient", "get_current_checkpoint_storage_usage"): ("get_current_checkpoint_storage_usage()",
                                                             lambda c, m: m(), "admin"),
     ("RestClient", "get_external_weights_urls"): ("get_external_weights_urls(external path)",
