@@ -47,6 +47,7 @@ class SaveWeightsPayload(Payload):
     sampling_session_id: str | None = None
     ephemeral: bool = False
     base_model: str | None = None  # save_weights_external: the base model's name, as its export names it
+    age_recipients: list[str] | None = None  # save_weights_external: encrypt every file to these (checked)
     name: str
     tinker_path: str
     storage_path: str  # a path or fsspec URL in the checkpoint store

@@ -12,6 +12,10 @@ One folder, written atomically like every checkpoint (storage/store.py):
 Merging is peft's own `merge_and_unload` on the base model as the registry built it, in float32, then
 saved in the base checkpoint's dtype. Reading the manifest needs no torch (the API lists the files
 from it); writing imports torch, peft and transformers inside the function that does it.
+
+With age recipients (native "age1..." keys or SSH public keys), every file but the manifest is
+encrypted to them with pyrage (rage's bindings) and stored as `<file>.age`; the plain files never
+reach the store. The manifest then lists the encrypted files: it is the server's, and names no content.
 """
 
 from __future__ import annotations
@@ -26,11 +30,25 @@ from storage.checkpoint_files import MANIFEST, PEFT_WEIGHTS, CheckpointError, sh
 EXTERNAL_FORMAT = "loraplex-external-weights/1"
 MERGED = "merged"  # the merged Hugging Face folder, beside the PEFT adapter's files
 ADAPTER_FILES = ("adapter_config.json", PEFT_WEIGHTS)
+AGE_SUFFIX = ".age"
+MAX_AGE_RECIPIENTS = 10  # as Tinker's SDK documents
 
 
-def write_external_weights(adapter: Path, dest: str | Path, base_model_path: str | Path, base_model: str) -> str | Path:
+def age_recipient(text: str):
+    """The pyrage recipient `text` names: a native age key ("age1...") or an SSH public key; ValueError if neither."""
+    import pyrage
+
+    kind = pyrage.ssh.Recipient if text.startswith(("ssh-", "ecdsa-")) else pyrage.x25519.Recipient
+    try:
+        return kind.from_str(text)
+    except pyrage.RecipientError as e:
+        raise ValueError(f"not an age recipient (an age1... key or an SSH public key): {text[:80]!r} ({e})") from None
+
+
+def write_external_weights(adapter: Path, dest: str | Path, base_model_path: str | Path, base_model: str,
+                           age_recipients: list[str] | None = None) -> str | Path:
     """Write the export of the PEFT folder `adapter` (trained on the base model at `base_model_path`,
-    which clients know as `base_model`) to the store location `dest`."""
+    which clients know as `base_model`) to the store location `dest`, encrypted to `age_recipients` if any."""
     with store.writing(dest) as tmp:
         for name in ADAPTER_FILES:
             shutil.copyfile(adapter / name, tmp / name)
@@ -38,9 +56,12 @@ def write_external_weights(adapter: Path, dest: str | Path, base_model_path: str
         config["base_model_name_or_path"] = base_model  # not this server's folder: a name users can resolve
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         _write_merged(adapter, tmp / MERGED, base_model_path)
+        if age_recipients:
+            _encrypt_files(tmp, [age_recipient(r) for r in age_recipients])
         files = {str(p.relative_to(tmp)): {"size_bytes": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {"format": EXTERNAL_FORMAT, "base_model": base_model, "files": files}
+        manifest = {"format": EXTERNAL_FORMAT, "base_model": base_model, "age_encrypted": bool(age_recipients),
+                    "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return dest
 
@@ -57,6 +78,14 @@ def _write_merged(adapter: Path, dest: Path, base_model_path: str | Path) -> Non
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
     merged.to(saved_dtype).save_pretrained(dest)  # safetensors
     AutoTokenizer.from_pretrained(base_model_path).save_pretrained(dest)
+
+
+def _encrypt_files(folder: Path, recipients: list) -> None:
+    import pyrage
+
+    for path in [p for p in folder.rglob("*") if p.is_file()]:
+        pyrage.encrypt_file(str(path), str(path.with_name(path.name + AGE_SUFFIX)), recipients)
+        path.unlink()
 
 
 def _untie_unembedding(model) -> None:
@@ -98,7 +127,11 @@ def is_external(folder: Path) -> bool:
 
 def copy_adapter(folder: Path, dest: str | Path) -> Path:
     """The PEFT adapter of the export in the local `folder`, copied to `dest`, its files checked first."""
-    files = read_external_manifest(folder)["files"]
+    manifest = read_external_manifest(folder)
+    if manifest.get("age_encrypted"):
+        raise CheckpointError("its files are encrypted with age: download them (get_external_weights_urls) and "
+                              "decrypt them with `age -d`")
+    files = manifest["files"]
     for name in ADAPTER_FILES:
         if sha256_file(folder / name) != files[name]["sha256"]:
             raise CheckpointError(f"{name} failed its SHA-256 check (the file is corrupt)")

@@ -34,6 +34,7 @@ from db import stability
 from db.models import Checkpoint, Sampler, TrainingModel
 from models.architectures import check_lora_config
 from storage.checkpoint_files import read_manifest
+from storage.external_weights import MAX_AGE_RECIPIENTS, age_recipient
 
 router = APIRouter()
 
@@ -220,7 +221,8 @@ def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db:
                   kind=RequestKind.OPTIM_STEP, payload=OptimStepPayload(adam_params=adam).to_bytes())
 
 
-def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: RequestKind, dir_kind: str) -> dict:
+def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: RequestKind, dir_kind: str,
+          age_recipients: list[str] | None = None) -> dict:
     model = owned_model(db, tenant_id, body.model_id)
     quotas.check_storage(db, tenant_id)
     snapshot: dict[str, Any] = {}  # an unnamed snapshot: the sampler it is for
@@ -239,7 +241,8 @@ def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: Req
     folder = storage_path(request.app.state.settings.checkpoint_dir, tenant_id, path)
     if dir_kind == "sampler_weights":  # a new folder per save: samplers of an earlier save keep theirs
         folder = snapshot_folder(folder, body.seq_id)
-    external = {"base_model": model.base_model} if dir_kind == "external_weights" else {}  # as clients name it
+    external = {"base_model": model.base_model, "age_recipients": age_recipients} \
+        if dir_kind == "external_weights" else {}  # the base model as clients name it
     payload = SaveWeightsPayload(kind=CHECKPOINT_KINDS[dir_kind], ttl_seconds=body.ttl_seconds,
                                  user_metadata=body.user_metadata, **snapshot, **external,
                                  name=name, tinker_path=str(path), storage_path=folder)
@@ -265,11 +268,18 @@ def save_weights_for_sampler(body: SaveWeights, request: Request, tenant: Curren
 def save_weights_external(body: SaveWeightsExternal, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     """The adapter merged into the base model, as a Hugging Face folder, beside the PEFT adapter
     (storage/external_weights.py); get_external_weights_urls then hands out its files."""
-    if body.age_encryption_recipients:
-        raise HTTPException(400, "age_encryption_recipients: encrypting exports with age is not supported by this "
-                                 "server; leave it unset (the download URLs are signed and expire)")
+    recipients = body.age_encryption_recipients or None
+    if recipients is not None:
+        if len(recipients) > MAX_AGE_RECIPIENTS:
+            raise HTTPException(400, f"age_encryption_recipients: at most {MAX_AGE_RECIPIENTS}, got {len(recipients)}")
+        for i, recipient in enumerate(recipients):
+            try:
+                age_recipient(recipient)
+            except ValueError as e:
+                raise HTTPException(400, f"age_encryption_recipients[{i}]: {e}") from None
     save = SaveWeights(model_id=body.model_id, seq_id=body.seq_id, path=body.path, ttl_seconds=body.ttl_seconds)
-    return _save(request, db, tenant.id, save, RequestKind.SAVE_WEIGHTS_EXTERNAL, "external_weights")
+    return _save(request, db, tenant.id, save, RequestKind.SAVE_WEIGHTS_EXTERNAL, "external_weights",
+                 age_recipients=recipients)
 
 
 @router.post("/load_weights")

@@ -118,7 +118,7 @@ REFUSALS: dict[str, Send] = {
         "/api/v1/load_weights", json={"model_id": m, "seq_id": s, "path": "s3://elsewhere"}),
     "load_weights: sampler weights": lambda h, m, s: h.post(
         "/api/v1/load_weights", json={"model_id": m, "seq_id": s, "path": f"tinker://{m}/sampler_weights/x"}),
-    "save_weights_external: age encryption": lambda h, m, s: h.post(
+    "save_weights_external: not an age recipient": lambda h, m, s: h.post(
         "/api/v1/save_weights_external", json={"model_id": m, "seq_id": s, "path": "x", "type": "save_weights_external",
                                                "age_encryption_recipients": ["age1recipient"]}),
     "unknown route: made up": lambda h, m, s: h.post("/api/v1/no_such_route", json={"model_id": m, "seq_id": s}),

@@ -20,14 +20,20 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import httpx
 import numpy as np
+import pyrage
 import pytest
+import sqlalchemy as sa
 import tinker
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 from peft import PeftModel
 from tinker import types
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api import download_urls
+from db.models import Checkpoint
+from storage import store
 
 pytestmark = pytest.mark.slow  # trains, exports and loads models, on two servers (SQLite; Postgres on WebDAV)
 TOKENS = list(range(10, 42))
@@ -149,10 +155,6 @@ def test_a_tampered_or_expired_url_is_refused(export, server):
 
 
 def checkpoint_record(server, tinker_path: str) -> str:
-    import sqlalchemy as sa
-
-    from db.models import Checkpoint
-
     with server.embedded.sessions() as s:
         return s.scalar(sa.select(Checkpoint.id).where(Checkpoint.tinker_path == tinker_path))
 
@@ -170,10 +172,41 @@ def test_only_the_owner_gets_urls_and_only_of_exports(trained, export, server, a
     assert answer.status_code == 400 and "checkpoint_id" in answer.json()["detail"]
 
 
-def test_age_encryption_is_refused_naming_the_field(trained):
+def test_an_export_encrypted_with_age_decrypts_to_the_same_model(trained, server, api_key, tmp_path):
+    """Every file but the manifest is stored encrypted (`<file>.age`) to the recipients: here a native
+    age key and an SSH key; either identity decrypts it."""
+    tc, service_logprobs = trained
+    identity = pyrage.x25519.Identity.generate()
+    ssh_key = Ed25519PrivateKey.generate()
+    ssh_public = ssh_key.public_key().public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH).decode()
+    saved = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public()), ssh_public]).result()
+    rest = tinker.RestClient(base_url=server.base_url, api_key=api_key)
+    urls = rest.get_external_weights_urls(saved.path).result().urls
+    assert {name for name in urls if not name.endswith(".age")} == {"manifest.json"}
+    assert {"merged/model.safetensors.age", "adapter_model.safetensors.age"} <= set(urls)
+    download(urls, tmp_path)
+    ssh_identity = pyrage.ssh.Identity.from_buffer(ssh_key.private_bytes(
+        Encoding.PEM, PrivateFormat.OpenSSH, NoEncryption()))
+    plain = tmp_path / "plain"
+    for name in urls:
+        if name.endswith(".age"):
+            (plain / name).parent.mkdir(parents=True, exist_ok=True)
+            sealed = (tmp_path / name).read_bytes()
+            assert pyrage.decrypt(sealed, [ssh_identity]) == pyrage.decrypt(sealed, [identity])
+            (plain / name.removesuffix(".age")).write_bytes(pyrage.decrypt(sealed, [identity]))
+    merged = AutoModelForCausalLM.from_pretrained(plain / "merged")
+    assert causal_logprobs(merged, TOKENS) == pytest.approx(torch.tensor(service_logprobs), abs=1e-4)
+    with server.embedded.sessions() as s:  # no plain file reached the store
+        location = s.scalar(sa.select(Checkpoint.storage_path).where(Checkpoint.tinker_path == saved.path))
+    stored = [p.name for p in store.local_folder(location).rglob("*") if p.is_file()]
+    assert len(stored) == len(urls) and all(name.endswith(".age") or name == "manifest.json" for name in stored)
+
+
+def test_a_bad_age_recipient_is_refused_naming_it(trained):
     tc, _ = trained
-    with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
-        tc.save_weights_external("sealed", age_encryption_recipients=["age1qqqq"]).result()
+    with pytest.raises(tinker.BadRequestError, match=r"age_encryption_recipients\[1\]: not an age recipient"):
+        recipients = [str(pyrage.x25519.Identity.generate().to_public()), "age1qqqq"]
+        tc.save_weights_external("sealed-badly", age_encryption_recipients=recipients).result()
     tc.forward([sft_datum(TOKENS)], "cross_entropy").result()  # the refusal released its seq_id
 
 

@@ -254,12 +254,14 @@ class TrainerEngine:
         metadata = {"policy_version": adapter.step, "adapter_id": adapter_id}
         return checkpoints.save_peft_adapter(adapter, path, self.model_path, metadata)
 
-    def save_external_weights(self, adapter_id: str, path: str | Path, base_model: str) -> Path:
+    def save_external_weights(self, adapter_id: str, path: str | Path, base_model: str,
+                              age_recipients: list[str] | None = None) -> Path:
         """The adapter merged into the base model, a Hugging Face folder, beside its PEFT adapter
-        (storage/external_weights.py; `base_model`: the name users know the base by)."""
+        (storage/external_weights.py; `base_model`: the name users know the base by; `age_recipients`:
+        encrypt every file to them)."""
         with tempfile.TemporaryDirectory(prefix="loraplex-export-") as tmp:
             adapter = self.save_sampler_weights(adapter_id, Path(tmp) / "adapter")
-            return write_external_weights(Path(adapter), path, self.model_path, base_model)
+            return write_external_weights(Path(adapter), path, self.model_path, base_model, age_recipients)
 
     def save_state(self, adapter_id: str, path: str | Path, extra: dict | None = None, *,
                    with_gradients: bool = False) -> Path:

@@ -455,7 +455,7 @@ class InProcessExecutor:
         if kind == RequestKind.SAVE_WEIGHTS:
             self.engine.save_state(model_id, body.storage_path)
         elif kind == RequestKind.SAVE_WEIGHTS_EXTERNAL:
-            self.engine.save_external_weights(model_id, body.storage_path, body.base_model)
+            self.engine.save_external_weights(model_id, body.storage_path, body.base_model, body.age_recipients)
         else:
             self.engine.save_sampler_weights(model_id, body.storage_path)
         checkpoint = body.model_dump(include={"kind", "name", "tinker_path", "ttl_seconds", "user_metadata",
