@@ -24,6 +24,7 @@ SECRET_FILE = "jwt_signing_key"
 MIN_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key at least as long as the hash
 # What a JWT starts with (the base64 of '{"'); a Tinker SDK refuses any other credential that is not tml-.
 JWT_PREFIX = "eyJ"
+VERIFIED_CACHE_SIZE = 4096  # tokens whose signature was checked (one per live client, refreshed each half-life)
 # The 401 header that makes the SDK exchange its key again and replay the request once (RFC 6750).
 INVALID_TOKEN = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
 
@@ -39,6 +40,7 @@ class TokenIssuer:
     def __init__(self, secret: Callable[[], bytes], lifetime_seconds: int) -> None:
         """`secret` is read on first use: an app that never sees a token makes no secret file."""
         self._read_secret, self.lifetime_seconds = secret, lifetime_seconds
+        self._verified: dict[str, dict] = {}  # token -> its claims, checked once
 
     @cached_property
     def _secret(self) -> bytes:
@@ -54,12 +56,21 @@ class TokenIssuer:
         return jwt.encode(claims, self._secret, algorithm=ALGORITHM)
 
     def verify(self, token: str) -> dict | None:
-        """The claims of a token this server signed and that has not expired; None otherwise."""
+        """The claims of a token this server signed and that has not expired; None otherwise. A token
+        comes with every request of its client: its signature is checked once, then remembered until
+        it expires (the caller still checks its key on each use)."""
+        known = self._verified.get(token)
+        if known is not None and known["exp"] > time.time():
+            return known
         try:
-            return jwt.decode(token, self._secret, algorithms=[ALGORITHM], issuer=ISSUER,
-                              options={"require": ["exp", "iat", "sub", "tenant_id", "key_id"]})
+            claims = jwt.decode(token, self._secret, algorithms=[ALGORITHM], issuer=ISSUER,
+                                options={"require": ["exp", "iat", "sub", "tenant_id", "key_id"]})
         except jwt.InvalidTokenError:
             return None
+        if len(self._verified) >= VERIFIED_CACHE_SIZE:
+            self._verified.clear()
+        self._verified[token] = claims
+        return claims
 
 
 def signing_secret(configured: str, data_dir: Path) -> bytes:
