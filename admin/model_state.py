@@ -62,9 +62,10 @@ def _verified(location: str, model_id: str | None = None) -> str | None:
     return None
 
 
-def _loader(location: str, with_optimizer: bool = True) -> Callable[[TrainerEngine, str], None]:
+def _loader(location: str, with_optimizer: bool = True, optimizer: str | None = None
+            ) -> Callable[[TrainerEngine, str], None]:
     def load(engine: TrainerEngine, model_id: str) -> None:
-        engine.load_state(model_id, location, with_optimizer=with_optimizer)
+        engine.load_state(model_id, location, with_optimizer=with_optimizer, optimizer=optimizer)
     return load
 
 
@@ -100,10 +101,10 @@ def bases(s: Session, model: TrainingModel, live_dir: str) -> list[Base]:
         found.append(Base(step, f"checkpoint {checkpoint.tinker_path} (saved at seq_id {save.seq_id})",
                           _loader(location), _verified(location, model.id)))
     if start.kind == RequestKind.CREATE_MODEL:
-        config = CreateModelPayload.parse(start.payload).lora_config
+        created = CreateModelPayload.parse(start.payload)
 
         def create(engine: TrainerEngine, model_id: str) -> None:
-            engine.create_adapter(model_id, config)
+            engine.create_adapter(model_id, created.lora_config, created.optimizer)
         found.append(Base(start.seq_id, f"its create_model (seq_id {start.seq_id})", create))
     else:
         body = LoadWeightsPayload.parse(start.payload)
@@ -112,7 +113,7 @@ def bases(s: Session, model: TrainingModel, live_dir: str) -> list[Base]:
             "that checkpoint was saved over since" if start.started_at and loaded.created_at > start.started_at
             else _verified(body.storage_path))
         found.append(Base(start.seq_id, f"its load_weights of {body.tinker_path} (seq_id {start.seq_id})",
-                          _loader(body.storage_path, body.optimizer), problem))
+                          _loader(body.storage_path, body.optimizer, body.optimizer_type), problem))
     return sorted(found, key=lambda b: b.seq, reverse=True)
 
 

@@ -2,8 +2,8 @@
 runs again (one definition of each check, and no torch, so an API replica needs no engine).
 
 `LoraConfig` is an adapter's: stored with its model (db TrainingModel.lora_config), in create_model's
-payload and in every training-state manifest. `AdamParams` is the SDK's type (loraplex.types): the
-client sends it, the optimizer applies it.
+payload and in every training-state manifest. `AdamParams` and `DimuonParams` are the SDK's types
+(loraplex.types): the client sends them, the optimizer applies them (docs/optimizers.md).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from contract.errors import InvalidInputError
-from loraplex.types import DEFAULT_LORA_RANK, AdamParams
+from loraplex.types import DEFAULT_LORA_RANK, OPTIMIZERS, AdamParams, DimuonParams
 
 DEFAULT_LORA_ALPHA = 32.0
 
@@ -55,32 +55,61 @@ class LoraConfig:
 
 _JSON_KINDS = {str: "text", bool: "true or false", list: "a list", dict: "an object", type(None): "null"}
 
+OptimParams = AdamParams | DimuonParams
+# optim_step's "type" -> the family of its hyperparameters ("adam" is the loraplex SDK's older spelling)
+PARAMS_OF = {"adam": AdamParams, "adamw": AdamParams, "dimuon": DimuonParams}
+OPTIMIZER_OF = {AdamParams: "adamw", DimuonParams: "dimuon"}
 
-def adam_params_from(raw: dict) -> AdamParams:
-    """AdamParams from a request's hyperparameters; InvalidInputError naming the first that is unknown or
-    not a number (before this, Python's own TypeError text reached the caller)."""
-    known = [f.name for f in fields(AdamParams)]
-    for name, value in raw.items():
+
+def optimizer_of(params: OptimParams) -> str:
+    """The optimizer (an optimizer_config type) that `params` are the hyperparameters of."""
+    return OPTIMIZER_OF[type(params)]
+
+
+def optim_params_from(raw: dict, field: str = "adam_params") -> OptimParams:
+    """An optim_step's hyperparameters, of the family its "type" names (AdamW when none); InvalidInputError
+    naming the first field (under `field`, the key the client sent them in) that is unknown, missing or
+    not a number. Fields left out take their defaults, on every step (never an earlier step's values)."""
+    kind = raw.get("type", "adamw")
+    family = PARAMS_OF.get(kind) if isinstance(kind, str) else None
+    if family is None:
+        raise InvalidInputError(f"{field}.type", f"unknown optimizer {str(kind)[:64]!r}; known: {', '.join(OPTIMIZERS)}")
+    known = [f.name for f in fields(family)]
+    values = {name: value for name, value in raw.items() if name != "type"}
+    for name, value in values.items():
         if name not in known:
-            raise InvalidInputError(f"adam_params.{str(name)[:64]}",
-                                    f"not a hyperparameter of AdamW; known: {', '.join(known)}")
+            raise InvalidInputError(f"{field}.{str(name)[:64]}",
+                                    f"not a hyperparameter of {OPTIMIZER_OF[family]}; known: {', '.join(known)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            kind = _JSON_KINDS.get(type(value), "a value")
-            raise InvalidInputError(f"adam_params.{name}", f"must be a number, got {kind}")
-    return AdamParams(**raw)
+            kind_name = _JSON_KINDS.get(type(value), "a value")
+            raise InvalidInputError(f"{field}.{name}", f"must be a number, got {kind_name}")
+    if family is DimuonParams and "learning_rate" not in values:
+        raise InvalidInputError(f"{field}.learning_rate", "is required for Dimuon (it has no default)")
+    params = family(**values)
+    check_optim_params(params, field)
+    return params
 
 
-def check_adam_params(adam: AdamParams) -> None:
+def check_optim_params(params: OptimParams, field: str = "adam_params") -> None:
     """Every hyperparameter a finite number in its range; InvalidInputError naming the first that is not."""
-    checks = {
-        "learning_rate": adam.learning_rate >= 0,
-        "beta1": 0 <= adam.beta1 < 1,
-        "beta2": 0 <= adam.beta2 < 1,
-        "eps": adam.eps > 0,
-        "weight_decay": adam.weight_decay >= 0,
-        "grad_clip_norm": adam.grad_clip_norm >= 0,
-    }
+    if isinstance(params, DimuonParams):
+        checks = {
+            "learning_rate": params.learning_rate >= 0,
+            "grad_clip_norm": True,  # any value: <= 0 disables clipping (Tinker's contract)
+            "beta1": 0 <= params.beta1 < 1,
+            "damping": params.damping > 0,
+            "rank_lr_correction_exponent": True,
+        }
+    else:
+        checks = {
+            "learning_rate": params.learning_rate >= 0,
+            "beta1": 0 <= params.beta1 < 1,
+            "beta2": 0 <= params.beta2 < 1,
+            "eps": params.eps > 0,
+            "weight_decay": params.weight_decay >= 0,
+            "grad_clip_norm": params.grad_clip_norm >= 0,
+        }
     for name, ok in checks.items():
-        value = getattr(adam, name)
+        value = getattr(params, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
-            raise InvalidInputError(f"adam_params.{name}", f"invalid value {value!r}")
+            raise InvalidInputError(f"{field}.{name}", f"invalid value {value!r}")

@@ -10,10 +10,10 @@ read the same.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
-from loraplex.types import AdamParams
-from pydantic import BaseModel
+from loraplex.types import AdamParams, DimuonParams
+from pydantic import BaseModel, Discriminator, Tag
 
 from contract.configs import LoraConfig
 from contract.kinds import RequestKind
@@ -28,12 +28,25 @@ class Payload(BaseModel):
         return cls.model_validate_json(raw)
 
 
+Optimizer = Literal["adamw", "dimuon"]  # a model's optimizer: Tinker's optimizer_config "type"
+
+
 class CreateModelPayload(Payload):
     lora_config: LoraConfig  # resolved: the seed drawn, the defaults filled in
+    optimizer: Optimizer = "adamw"
+
+
+def _params_family(value) -> str:
+    if isinstance(value, dict):
+        return "dimuon" if "damping" in value else "adamw"  # stored with every field: Dimuon's has damping
+    return "dimuon" if isinstance(value, DimuonParams) else "adamw"
 
 
 class OptimStepPayload(Payload):
-    adam_params: AdamParams  # checked at the door (contract.configs.check_adam_params)
+    # either family's hyperparameters, all fields resolved at the door (contract.configs.optim_params_from);
+    # the key keeps its first name so stored rows of every age read the same
+    adam_params: Annotated[Annotated[AdamParams, Tag("adamw")] | Annotated[DimuonParams, Tag("dimuon")],
+                           Discriminator(_params_family)]
 
 
 class SaveWeightsPayload(Payload):
@@ -55,7 +68,10 @@ class SaveWeightsPayload(Payload):
 
 class LoadWeightsPayload(Payload):
     storage_path: str
-    optimizer: bool  # load the Adam moments and step too
+    optimizer: bool  # load the optimizer's state (moments, momentum) and step too
+    # the optimizer the model runs after the load: the checkpoint's (with `optimizer`), the model's own
+    # (a load into an existing model) or the request's optimizer_config (a new weights-only model)
+    optimizer_type: Optimizer = "adamw"
     tinker_path: str  # how errors name the checkpoint (its storage path holds the tenant's id)
 
 

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from api.dashboard.auth import AdminViewer, CurrentViewer, Viewer
 from api.deps import DB
 from api.input_policy import readable
+from api.optimizers import run_optimizer
 from api.routes.runs import iso
 from contract.kinds import RequestKind
 from db import run_metrics, usage
@@ -77,7 +78,7 @@ def run_json(db: Session, run: TrainingModel, tenant_name: str) -> dict:
         "run_id": run.id, "name": run_name(run, session), "tenant_id": run.tenant_id, "tenant_name": tenant_name,
         "base_model": run.base_model, "lora_rank": config.get("rank"),
         "lora_config": {k: config.get(k) for k in ("rank", "alpha", "train_attn", "train_mlp", "train_unembed")},
-        "learning_rate": run_metrics.last_learning_rate(db, run.id), "optimizer": "adamw",
+        "learning_rate": run_metrics.last_learning_rate(db, run.id), "optimizer": run_optimizer(db, run.id),
         "user_metadata": readable(run.user_metadata) or {},
         "tags": readable(session.tags) if session is not None and isinstance(session.tags, list) else [],
         "status": "deleted" if run.deleted_at else ("running" if active else "idle"),

@@ -21,17 +21,18 @@ from sqlalchemy.orm import Session
 from api import quotas
 from api.input_policy import Id, Label, Metadata, NonNegInt32, Seed, SeqId, SessionSeq, StrMetadata, check_wire_text
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
+from api.optimizers import OptimizerConfig, run_optimizer, wire_config
 from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
 from api.paths import CHECKPOINT_KINDS, TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
 from api.paths import model_id as make_model_id
 from api.submit import submit
-from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, adam_params_from, check_adam_params
+from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, optim_params_from, optimizer_of
 from contract.errors import InvalidInputError
 from contract.inputs import check_request, from_wire
 from contract.kinds import RequestKind
 from contract.payloads import CreateModelPayload, LoadWeightsPayload, OptimStepPayload, SaveWeightsPayload
 from db import stability
-from db.models import Checkpoint, Sampler, TrainingModel
+from db.models import Checkpoint, CheckpointKind, Sampler, TrainingModel
 from models.architectures import check_lora_config
 from storage.checkpoint_files import read_manifest
 from storage.external_weights import MAX_AGE_RECIPIENTS, age_recipient
@@ -50,25 +51,13 @@ class LoraConfigIn(BaseModel):
     train_attn: bool = True
 
 
-class OptimizerConfig(BaseModel):
-    """Tinker's optimizer choice at create time: {"type": "adamw"} or {"type": "dimuon", "version": 1}."""
-
-    type: Label = "adamw"
-
-    def check(self, field: str) -> None:
-        """AdamW only: a model asking for another optimizer is refused, never silently given AdamW."""
-        if self.type.lower() not in ("adam", "adamw"):
-            raise HTTPException(400, f"{field}.type: optimizer {self.type[:64]!r} is not supported by this "
-                                     "server; only AdamW ({'type': 'adamw'}, the default) is")
-
-
 class CreateModel(BaseModel):
     session_id: Id
     model_seq_id: SessionSeq
     base_model: Label
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
     user_metadata: Metadata | None = None
-    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)  # fixed for the model's life
 
 
 class ModelRef(BaseModel):
@@ -108,7 +97,9 @@ class LoadWeights(BaseModel):
     seq_id: SeqId | None = None
     session_id: Id | None = None  # create-via-load: a new model "{session_id}:train:{model_seq_id}"
     model_seq_id: SessionSeq | None = None
-    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    # a new weights-only model's optimizer (AdamW when none); it cannot override a restored optimizer
+    # state (`optimizer`) nor change an existing model's
+    optimizer_config: OptimizerConfig | None = None
     user_metadata: Metadata | None = None  # create-via-load: the new run's (TrainingRun.user_metadata)
 
 
@@ -129,7 +120,7 @@ def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
 def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     owned_session(db, tenant.id, body.session_id)
     base_model = served_model(request, body.base_model)  # stored by its hub id, whichever alias named it
-    body.optimizer_config.check("optimizer_config")
+    optimizer = body.optimizer_config.resolve("optimizer_config")
     cfg = lora_config(body.lora_config, request.app.state.settings.max_lora_rank)
     try:
         check_lora_config(request.app.state.model_info.arch, cfg)
@@ -144,7 +135,8 @@ def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db:
         ))
         db.flush()
     return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=0,
-                  kind=RequestKind.CREATE_MODEL, payload=CreateModelPayload(lora_config=cfg).to_bytes())
+                  kind=RequestKind.CREATE_MODEL,
+                  payload=CreateModelPayload(lora_config=cfg, optimizer=optimizer).to_bytes())
 
 
 @router.post("/get_info")
@@ -159,7 +151,7 @@ def get_info(body: ModelRef, request: Request, tenant: CurrentTenant, db: DB) ->
     name = hub_id(row.base_model)
     return {
         "type": "get_info", "model_id": row.id, "is_lora": True, "lora_rank": row.lora_config["rank"],
-        "model_name": name, "optimizer_config": {"type": "adamw"},
+        "model_name": name, "optimizer_config": wire_config(run_optimizer(db, row.id)),
         "model_data": {"arch": info.arch, "model_name": name, "tokenizer_id": name},
     }
 
@@ -209,16 +201,22 @@ async def optim_step(body: OptimStep, request: Request, x_api_key: ApiKeyHeader 
 
 def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db: Session) -> dict:
     check_owned_model(db, tenant.id, body.model_id)
-    raw = body.adam_params or body.optimizer_params or body.optim_params or {}
-    if raw.get("type", "adamw") not in ("adam", "adamw"):
-        raise HTTPException(400, f"adam_params.type: optimizer {str(raw['type'])[:64]!r} is not supported; use AdamW")
+    # the SDK sends AdamParams as adam_params and other families as optimizer_params (optim_params: its alias)
+    field, raw = next(((name, value) for name, value in (("adam_params", body.adam_params),
+                                                          ("optimizer_params", body.optimizer_params),
+                                                          ("optim_params", body.optim_params)) if value is not None),
+                      ("adam_params", {}))
     try:
-        adam = adam_params_from({k: v for k, v in raw.items() if k != "type"})
-        check_adam_params(adam)
+        params = optim_params_from(raw, field)
     except InvalidInputError as e:
         raise HTTPException(400, str(e)) from None
+    optimizer = run_optimizer(db, body.model_id, body.seq_id)
+    if optimizer_of(params) != optimizer:  # the optimizer is the model's for life (docs/optimizers.md)
+        raise HTTPException(400, f"{field}.type: this model was created with {optimizer}, so its steps take "
+                                 f"{optimizer}'s hyperparameters, not {optimizer_of(params)}'s; to switch, save_state "
+                                 "and create a training client from that state with the other optimizer")
     return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
-                  kind=RequestKind.OPTIM_STEP, payload=OptimStepPayload(adam_params=adam).to_bytes())
+                  kind=RequestKind.OPTIM_STEP, payload=OptimStepPayload(adam_params=params).to_bytes())
 
 
 def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: RequestKind, dir_kind: str,
@@ -284,13 +282,14 @@ def save_weights_external(body: SaveWeightsExternal, request: Request, tenant: C
 
 @router.post("/load_weights")
 def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db: DB) -> dict:
-    body.optimizer_config.check("optimizer_config")
+    asked = body.optimizer_config.resolve("optimizer_config") if body.optimizer_config else None
     parsed, checkpoint = resolve_checkpoint(db, tenant.id, body.path)
     if parsed.kind != "weights":
         raise HTTPException(400, "path: only training-state checkpoints (tinker://.../weights/...) can be loaded")
     manifest = read_manifest(checkpoint.storage_path)
     if manifest is None:
         raise HTTPException(404, f"path: the files of {body.path!r} are missing")
+    saved = manifest.get("optimizer", "adamw")  # states written before Dimuon were AdamW's
     if body.session_id is not None and body.model_seq_id is not None:  # create-via-load: seq 0 of a new model
         owned_session(db, tenant.id, body.session_id)
         source = db.get(TrainingModel, checkpoint.model_id)
@@ -303,11 +302,23 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
                 lora_config=manifest["lora_config"], user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
             ))
             db.flush()
+        if body.optimizer and asked not in (None, saved):
+            raise HTTPException(400, f"optimizer_config: the optimizer state restored from {body.path!r} is {saved}'s; "
+                                     "leave optimizer_config out, or load the weights only with a fresh optimizer")
+        optimizer = saved if body.optimizer else asked or "adamw"
     elif body.model_id is not None and body.seq_id is not None:
         mid, seq = owned_model(db, tenant.id, body.model_id).id, body.seq_id
+        optimizer = run_optimizer(db, mid, seq)  # an existing model keeps its optimizer
+        if asked not in (None, optimizer):
+            raise HTTPException(400, f"optimizer_config: this model runs {optimizer}, fixed at its creation; "
+                                     "create a training client from the state to use another optimizer")
+        if body.optimizer and saved != optimizer:
+            raise HTTPException(400, f"path: {body.path!r} holds {saved}'s optimizer state, but this model runs "
+                                     f"{optimizer}; load its weights only, or create a training client from it")
     else:
         raise HTTPException(400, "session_id and model_seq_id (or model_id and seq_id) are required")
-    payload = LoadWeightsPayload(storage_path=checkpoint.storage_path, optimizer=body.optimizer, tinker_path=body.path)
+    payload = LoadWeightsPayload(storage_path=checkpoint.storage_path, optimizer=body.optimizer, tinker_path=body.path,
+                                 optimizer_type=optimizer)
     return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=seq,
                   kind=RequestKind.LOAD_WEIGHTS, payload=payload.to_bytes())
 
@@ -323,6 +334,8 @@ def weights_info(body: WeightsInfo, tenant: CurrentTenant, db: DB) -> dict:
     if model is None:
         raise HTTPException(404, f"tinker_path: the run of {body.tinker_path!r} is gone")
     cfg = model.lora_config
-    return {"base_model": model.base_model, "is_lora": True, "optimizer_config": {"type": "adamw"},
+    manifest = read_manifest(checkpoint.storage_path) if checkpoint.kind == CheckpointKind.TRAINING_STATE else None
+    optimizer = (manifest or {}).get("optimizer") or run_optimizer(db, model.id)
+    return {"base_model": model.base_model, "is_lora": True, "optimizer_config": wire_config(optimizer),
             "lora_rank": cfg["rank"], "train_unembed": cfg["train_unembed"], "train_mlp": cfg["train_mlp"],
             "train_attn": cfg["train_attn"]}

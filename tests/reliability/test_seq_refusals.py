@@ -99,7 +99,7 @@ REFUSALS: dict[str, Send] = {
     "optim_step: adam_params as a list": lambda h, m, s: h.post(
         "/api/v1/optim_step", json={"model_id": m, "seq_id": s, "adam_params": [1e-3]}),
     "optim_step: unknown optimizer": lambda h, m, s: h.post(
-        "/api/v1/optim_step", json={"model_id": m, "seq_id": s, "adam_params": {"type": "dimuon"}}),
+        "/api/v1/optim_step", json={"model_id": m, "seq_id": s, "adam_params": {"type": "sgd"}}),
     "optim_step: text/plain body": lambda h, m, s: h.post(
         "/api/v1/optim_step", content=json.dumps({"model_id": m, "seq_id": s, "adam_params": {}}),
         headers={"Content-Type": "text/plain"}),

@@ -70,7 +70,7 @@ def assert_same_bits(restored, alone) -> None:
     """Weights and Adam moments, bit for bit."""
     assert torch.equal(restored.flat_weights, alone.flat_weights)
     for name in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(restored.adam_state[name], alone.adam_state[name]), name
+        assert torch.equal(restored.optimizer_state[name], alone.optimizer_state[name]), name
 
 
 def test_a_killed_engine_replays_to_the_bits_of_an_uninterrupted_run(tmp_path, tiny_model_path):

@@ -85,8 +85,8 @@ def cycles_of(server: ServerThread, rid: str) -> list[int]:
 def assert_same_adapter(server: ServerThread, engine: TrainerEngine, model_id: str) -> None:
     served, expected = server.embedded.executor.engine.adapter(model_id), engine.adapter(model_id)
     assert torch.equal(served.flat_weights, expected.flat_weights)
-    for name, moment in expected.adam_state.items():
-        assert torch.equal(served.adam_state[name], moment), name
+    for name, moment in expected.optimizer_state.items():
+        assert torch.equal(served.optimizer_state[name], moment), name
 
 
 def queue_a_request_in_parts(server: ServerThread, warm, more, big) -> tuple[str, str, str, str]:

@@ -141,13 +141,6 @@ def test_many_waiting_long_polls_do_not_starve_other_requests(server, api_key):
         assert all(p.result().json()["type"] == "try_again" for p in polls)
 
 
-def test_an_optimizer_other_than_adamw_is_refused_at_create(service_client):
-    """Never a silent substitute: Dimuon is refused with a 400 naming the field, before a model exists."""
-    with pytest.raises(tinker.BadRequestError, match="optimizer_config.type: optimizer 'dimuon' is not supported"):
-        service_client.create_lora_training_client(base_model="tiny", rank=4,
-                                                   optimizer=types.DimuonOptimizerConfig()).result()
-
-
 def test_checkpoints_keep_their_user_metadata(server, service_client, api_key):
     tc = service_client.create_lora_training_client(base_model="tiny", rank=4).result()
     tc.save_state("tagged", user_metadata={"renderer_name": "role_colon", "step": "7"}).result()

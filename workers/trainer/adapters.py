@@ -1,7 +1,8 @@
-"""Tenant adapters: LoRA weights, their gradients and AdamW state, one object per adapter.
+"""Tenant adapters: LoRA weights, their gradients and optimizer state, one object per adapter.
 
 Memory grows with the adapters that exist (each holds only its own tensors), never with
-tenants x slots. An adapter keeps its weights, their gradients and its AdamW moments in one flat
+tenants x slots. An adapter keeps its weights, their gradients and its optimizer's state (AdamW's
+moments, Dimuon's momentum: docs/optimizers.md) in one flat
 tensor each, and every A and B (and its `.grad`) is a view into them: the optimizer and the
 gradient norm are then one call per adapter, not one per matrix (~420 of them on SmolLM2). The
 LoRA backward adds each weight gradient straight into its `.grad` view (segmented_lora.Segment),
@@ -30,11 +31,18 @@ class LoraWeights(nn.Module):
         self.lora_b = nn.Parameter(lora_b)  # [out_features, rank]
 
 
+# each optimizer's state tensors, every one shaped like flat_weights (AdamW's also has a "step" scalar)
+OPTIMIZER_STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "dimuon": ("momentum",)}
+
+
 class Adapter:
-    def __init__(self, adapter_id: str, config: LoraConfig, weights: dict[str, LoraWeights]) -> None:
-        """Takes `weights` over: their values move into the adapter's flat tensor."""
+    def __init__(self, adapter_id: str, config: LoraConfig, weights: dict[str, LoraWeights],
+                 optimizer: str = "adamw") -> None:
+        """Takes `weights` over: their values move into the adapter's flat tensor. `optimizer`: the one
+        it was created with (a key of OPTIMIZER_STATE), fixed for its life."""
         self.id = adapter_id
         self.config = config
+        self.optimizer = optimizer
         self.weights = weights  # module path in the base model -> weights (fixed once created)
         matrices = [(w, attr) for w in weights.values() for attr in ("lora_a", "lora_b")]
         self._shapes = [getattr(w, attr).shape for w, attr in matrices]
@@ -54,9 +62,9 @@ class Adapter:
         self.scale = config.alpha / config.rank
         self.step = 0  # optimizer steps applied
         self.gradients_pending = False  # a backward ran since the last step (or zero_grad)
-        # AdamW state as torch's fused AdamW takes it: "step" (a float32 scalar), "exp_avg" and
-        # "exp_avg_sq" (shaped like flat_weights); empty before the first step
-        self.adam_state: dict[str, torch.Tensor] = {}
+        # the optimizer's state, empty before the first step. AdamW's as torch's fused AdamW takes it:
+        # "step" (a float32 scalar), "exp_avg" and "exp_avg_sq"; Dimuon's: "momentum"
+        self.optimizer_state: dict[str, torch.Tensor] = {}
 
     def layout(self) -> tuple:
         """What two adapters' flat tensors must share to be stacked: matrix shapes, in order."""
@@ -71,7 +79,8 @@ class Adapter:
         return zip((name for name, _ in self.named_parameters()), self.views(flat))
 
     @classmethod
-    def create(cls, adapter_id: str, config: LoraConfig, base_layers: dict[str, nn.Linear], dtype: torch.dtype):
+    def create(cls, adapter_id: str, config: LoraConfig, base_layers: dict[str, nn.Linear], dtype: torch.dtype,
+               optimizer: str = "adamw"):
         """New adapter, initialised like peft: A ~ kaiming-uniform (seeded), B = 0, so it starts as a no-op."""
         gen = torch.Generator().manual_seed(config.seed)
         targets = set(config.target_modules())
@@ -84,7 +93,7 @@ class Adapter:
             lora_b = torch.zeros(layer.out_features, config.rank, dtype=dtype)
             device = layer.weight.device
             weights[path] = LoraWeights(lora_a.to(device), lora_b.to(device))
-        return cls(adapter_id, config, weights)
+        return cls(adapter_id, config, weights, optimizer)
 
     def parameters(self) -> tuple[nn.Parameter, ...]:
         return self._parameters
@@ -96,8 +105,8 @@ class Adapter:
 
     @property
     def resident_bytes(self) -> int:
-        """The memory this adapter's state holds: weights, gradients and (once stepped) AdamW's moments."""
-        tensors = [self.flat_weights, self.flat_grads, *self.adam_state.values()]
+        """The memory this adapter's state holds: weights, gradients and (once stepped) the optimizer's state."""
+        tensors = [self.flat_weights, self.flat_grads, *self.optimizer_state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def has_gradients(self) -> bool:

@@ -33,7 +33,7 @@ from storage.checkpoint_files import (
     write_snapshot_manifest,
 )
 from storage.peft_export import peft_config, read_verified_state
-from workers.trainer.adapters import Adapter, LoraWeights
+from workers.trainer.adapters import OPTIMIZER_STATE, Adapter, LoraWeights
 
 # --- PEFT folder (sampler weights) -------------------------------------------------------------
 
@@ -68,23 +68,26 @@ class TrainingState:
     adapter_id: str
     lora_config: dict
     step: int
-    tensors: dict[str, torch.Tensor]  # weight/<name>, exp_avg/<name>, exp_avg_sq/<name>, grad/<name>
+    # weight/<name>, grad/<name>, and the optimizer's state: exp_avg/<name> and exp_avg_sq/<name> (AdamW),
+    # momentum/<name> (Dimuon)
+    tensors: dict[str, torch.Tensor]
+    optimizer: str = "adamw"  # the adapter's, whether or not it has stepped yet
 
     @classmethod
     def capture(cls, adapter: Adapter, *, with_gradients: bool = False) -> "TrainingState":
-        """Weights, Adam moments and step; `with_gradients` adds the gradients accumulated since the
+        """Weights, optimizer state and step; `with_gradients` adds the gradients accumulated since the
         last optim_step (the adapter's full state, for moving it). The tensors are copies: the state
         stays as it is now while the adapter trains on."""
         flats = {"weight": adapter.flat_weights}
         if with_gradients and adapter.has_gradients():
             flats["grad"] = adapter.flat_grads
-        if adapter.adam_state:
-            flats.update(exp_avg=adapter.adam_state["exp_avg"], exp_avg_sq=adapter.adam_state["exp_avg_sq"])
+        if adapter.optimizer_state:
+            flats.update({kind: adapter.optimizer_state[kind] for kind in OPTIMIZER_STATE[adapter.optimizer]})
         tensors = {}
         for kind, flat in flats.items():  # copies: safetensors refuses views of one storage
             tensors.update({f"{kind}/{name}": view.detach().to("cpu", copy=True)
                             for name, view in adapter.named_views(flat)})
-        return cls(adapter.id, adapter.config.to_dict(), adapter.step, tensors)
+        return cls(adapter.id, adapter.config.to_dict(), adapter.step, tensors, adapter.optimizer)
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +106,8 @@ class TrainingState:
                 "adapter_id": self.adapter_id,
                 "lora_config": self.lora_config,
                 "step": self.step,
-                "has_optimizer_state": any(k.startswith("exp_avg/") for k in self.tensors),
+                "optimizer": self.optimizer,
+                "has_optimizer_state": any(k.startswith(f"{OPTIMIZER_STATE[self.optimizer][0]}/") for k in self.tensors),
                 "has_gradients": any(k.startswith("grad/") for k in self.tensors),
                 "tensors_sha256": sha256_file(tmp / STATE_TENSORS),
                 "extra": extra or {},
@@ -114,7 +118,7 @@ class TrainingState:
 
 def save_training_state(adapter: Adapter, path: str | Path, extra: dict | None = None, *,
                         with_gradients: bool = False) -> str | Path:
-    """Save weights, Adam moments and step (and with_gradients, the pending gradients) now."""
+    """Save weights, optimizer state and step (and with_gradients, the pending gradients) now."""
     return TrainingState.capture(adapter, with_gradients=with_gradients).write(path, extra)
 
 
@@ -126,8 +130,16 @@ def load_training_state(
     max_rank: int,
     *,
     with_optimizer: bool = True,
+    optimizer: str | None = None,
 ) -> Adapter:
+    """The adapter a training state holds. with_optimizer: with its optimizer, that optimizer's state and
+    step, and any pending gradients (resuming, or paging in); `optimizer`, when given, must be the
+    checkpoint's. Without: its weights only, with a fresh `optimizer` (AdamW when None)."""
     manifest, tensors = read_verified_state(path)
+    saved_optimizer = manifest.get("optimizer", "adamw")  # states written before Dimuon were AdamW's
+    if with_optimizer and optimizer not in (None, saved_optimizer):
+        raise CheckpointError(f"its optimizer state is {saved_optimizer}'s, not {optimizer}'s")
+    run_optimizer = saved_optimizer if with_optimizer else optimizer or "adamw"
     config = LoraConfig(**manifest["lora_config"])
     try:
         config.validate(max_rank)
@@ -146,7 +158,8 @@ def load_training_state(
     expected = {n for n in base_layers if n.rsplit(".", 1)[-1] in config.target_modules()}
     if set(weights) != expected:
         raise CheckpointError("its modules do not match this base model's layers")
-    adapter = Adapter(adapter_id, config, weights)
+    adapter = Adapter(adapter_id, config, weights, run_optimizer)
+
     def load_flat(kind: str, flat: torch.Tensor) -> torch.Tensor:
         for name, view in adapter.named_views(flat):
             view.copy_(tensors[f"{kind}/{name}"])
@@ -154,11 +167,11 @@ def load_training_state(
 
     if with_optimizer and manifest.get("has_optimizer_state"):
         adapter.step = int(manifest["step"])
-        adapter.adam_state = {
-            "step": torch.tensor(float(adapter.step), dtype=torch.float32, device=adapter.flat_weights.device),
-            "exp_avg": load_flat("exp_avg", torch.empty_like(adapter.flat_weights)),
-            "exp_avg_sq": load_flat("exp_avg_sq", torch.empty_like(adapter.flat_weights)),
-        }
+        adapter.optimizer_state = {kind: load_flat(kind, torch.empty_like(adapter.flat_weights))
+                                   for kind in OPTIMIZER_STATE[run_optimizer]}
+        if run_optimizer == "adamw":  # torch's fused AdamW reads its step count from a tensor
+            adapter.optimizer_state["step"] = torch.tensor(float(adapter.step), dtype=torch.float32,
+                                                           device=adapter.flat_weights.device)
     if with_optimizer and manifest.get("has_gradients"):  # a moved adapter's accumulated gradients
         load_flat("grad", adapter.flat_grads)
         adapter.gradients_pending = True

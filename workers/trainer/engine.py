@@ -16,11 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from loraplex.types import AdamParams
 from torch import Tensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from contract.configs import LoraConfig, check_adam_params
+from contract.configs import LoraConfig, OptimParams, check_optim_params, optimizer_of
 from contract.errors import EngineError, InvalidInputError, UnknownAdapterError
 from contract.inputs import ForwardBackwardInput
 from models.architectures import check_lora_config
@@ -30,9 +29,10 @@ from workers.cpu_threads import intra_op_threads
 from workers.host_memory import retain_freed_host_memory
 from workers.sgmv import row_gemm
 from workers.trainer import checkpoints
-from workers.trainer.adapters import Adapter
+from workers.trainer.adapters import OPTIMIZER_STATE, Adapter
 from workers.trainer.batch import EngineOutput, PackedBatch, PreparedRequest, pack, prepare_request, split_into_passes
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
+from workers.trainer.dimuon import dimuon_step
 from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
 from workers.trainer.parts import merge_metrics
@@ -97,13 +97,16 @@ class TrainerEngine:
 
     # --- adapters --------------------------------------------------------------------------------
 
-    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None) -> Adapter:
+    def create_adapter(self, adapter_id: str, config: LoraConfig | None = None, optimizer: str = "adamw") -> Adapter:
+        """A new adapter; `optimizer` ("adamw" or "dimuon") is fixed for its life (docs/optimizers.md)."""
         config = config or LoraConfig()
         config.validate(self.max_rank)
         check_lora_config(self.model.config.model_type, config)
+        if optimizer not in OPTIMIZER_STATE:
+            raise InvalidInputError("optimizer_config.type", f"unknown optimizer {optimizer!r}")
         if adapter_id in self.adapters:
             raise InvalidInputError("adapter_id", f"adapter {adapter_id!r} already exists")
-        adapter = Adapter.create(adapter_id, config, self.base_layers, self.dtype)
+        adapter = Adapter.create(adapter_id, config, self.base_layers, self.dtype, optimizer)
         self.adapters[adapter_id] = adapter
         return adapter
 
@@ -226,14 +229,20 @@ class TrainerEngine:
 
     # --- optimizer -------------------------------------------------------------------------------
 
-    def optim_step(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | EngineError]:
-        """AdamW on many adapters in one call, each with its own hyperparameters and step count."""
+    def optim_step(self, steps: list[tuple[str, OptimParams]]) -> list[dict[str, float] | EngineError]:
+        """One step on many adapters in one call, each with its own optimizer (the one it was created
+        with: params of another family fail that adapter alone), hyperparameters and step count."""
         results: list[dict[str, float] | EngineError | None] = [None] * len(steps)
-        valid: list[tuple[int, Adapter, AdamParams]] = []
-        for i, (adapter_id, adam) in enumerate(steps):
+        valid: list[tuple[int, Adapter, OptimParams]] = []
+        for i, (adapter_id, params) in enumerate(steps):
             try:
-                check_adam_params(adam)
-                valid.append((i, self.adapter(adapter_id), adam))
+                check_optim_params(params)
+                adapter = self.adapter(adapter_id)
+                if optimizer_of(params) != adapter.optimizer:
+                    raise InvalidInputError("optimizer_params.type", (
+                        f"this model was created with {adapter.optimizer}, so its steps take {adapter.optimizer}'s "
+                        f"hyperparameters, not {optimizer_of(params)}'s (docs/optimizers.md)"))
+                valid.append((i, adapter, params))
             except InvalidInputError as e:
                 results[i] = e
         while valid:  # an adapter listed twice steps twice: its second step goes in a later call
@@ -241,8 +250,12 @@ class TrainerEngine:
             for item in valid:
                 (later if id(item[1]) in seen else batch).append(item)
                 seen.add(id(item[1]))
-            for (i, _, _), metrics in zip(batch, adamw_step([(adapter, adam) for _, adapter, adam in batch])):
-                results[i] = metrics
+            for family, step in (("adamw", adamw_step), ("dimuon", dimuon_step)):
+                mine = [item for item in batch if item[1].optimizer == family]
+                if not mine:
+                    continue
+                for (i, _, _), metrics in zip(mine, step([(adapter, params) for _, adapter, params in mine])):
+                    results[i] = metrics
             valid = later
         return results  # type: ignore[return-value]
 
@@ -267,10 +280,13 @@ class TrainerEngine:
                    with_gradients: bool = False) -> Path:
         return checkpoints.save_training_state(self.adapter(adapter_id), path, extra, with_gradients=with_gradients)
 
-    def load_state(self, adapter_id: str, path: str | Path, *, with_optimizer: bool = True) -> Adapter:
-        """Create (or replace) `adapter_id` from a training-state checkpoint."""
+    def load_state(self, adapter_id: str, path: str | Path, *, with_optimizer: bool = True,
+                   optimizer: str | None = None) -> Adapter:
+        """Create (or replace) `adapter_id` from a training-state checkpoint: with its optimizer and that
+        optimizer's state, or (with_optimizer=False) its weights and a fresh `optimizer` (AdamW when None)."""
         adapter = checkpoints.load_training_state(
-            adapter_id, path, self.base_layers, self.dtype, self.max_rank, with_optimizer=with_optimizer
+            adapter_id, path, self.base_layers, self.dtype, self.max_rank, with_optimizer=with_optimizer,
+            optimizer=optimizer,
         )
         self.adapters[adapter_id] = adapter
         return adapter

@@ -429,7 +429,7 @@ class InProcessExecutor:
 
     def _create_model(self, job: Job, body: CreateModelPayload) -> Outcome:
         model_id = job.request.model_id
-        adapter = self.engine.create_adapter(model_id, body.lora_config)
+        adapter = self.engine.create_adapter(model_id, body.lora_config, body.optimizer)
         stepped = 4 * adapter.flat_weights.numel() * adapter.flat_weights.element_size()  # + gradients, 2 moments
         if self.residency.budget_bytes and stepped > self.residency.budget_bytes:
             self.engine.delete_adapter(model_id)
@@ -444,7 +444,8 @@ class InProcessExecutor:
     def _load_weights(self, job: Job, body: LoadWeightsPayload) -> Outcome:
         model_id = job.request.model_id
         try:
-            self.engine.load_state(model_id, body.storage_path, with_optimizer=body.optimizer)
+            self.engine.load_state(model_id, body.storage_path, with_optimizer=body.optimizer,
+                                   optimizer=body.optimizer_type)
         except CheckpointError as e:  # named by its tinker:// path: the storage path holds the tenant's id
             raise CheckpointError(f"{body.tinker_path}: {e}") from None
         self.live.persist(model_id, job.request.seq_id, resets=True, started_by=RequestKind.LOAD_WEIGHTS)

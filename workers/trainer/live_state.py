@@ -188,7 +188,8 @@ class LiveStates:
         seq = extra.get("lineage_seq")
         if extra.get("lineage_kind") != "create_model" or seq is None or (ceiling is not None and seq > ceiling):
             return None
-        self.engine.create_adapter(model_id, LoraConfig(**newest.manifest["lora_config"]))
+        self.engine.create_adapter(model_id, LoraConfig(**newest.manifest["lora_config"]),
+                                   newest.manifest.get("optimizer", "adamw"))
         self._newest.pop(model_id, None)
         self._lineage[model_id], self._lineage_kind[model_id] = seq, "create_model"
         self._recreated[model_id] = seq

@@ -13,7 +13,6 @@ import math
 
 import torch
 from torch import Tensor
-from torch.nn.utils import clip_grads_with_norm_
 from torch.optim.adamw import adamw
 
 from contract.errors import InvalidInputError
@@ -32,7 +31,7 @@ class _FusedCall:
         self.steps: list[Tensor] = []
 
     def add(self, adapter: Adapter) -> None:
-        state = adapter.adam_state
+        state = adapter.optimizer_state
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=adapter.flat_weights.device)
             state["exp_avg"] = torch.zeros_like(adapter.flat_weights)
@@ -42,6 +41,12 @@ class _FusedCall:
         self.exp_avgs.append(state["exp_avg"])
         self.exp_avg_sqs.append(state["exp_avg_sq"])
         self.steps.append(state["step"])
+
+
+def clip_(flat_grads: Tensor, max_norm: float, norm: Tensor) -> None:
+    """Scale a gradient of norm `norm` down to `max_norm` if above it (torch's clip_grad_norm_ rule). Not
+    clip_grads_with_norm_: that scales the `.grad` of the tensors it is given, and a flat gradient has none."""
+    flat_grads.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
 
 
 def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float] | InvalidInputError]:
@@ -60,8 +65,8 @@ def adamw_step(batch: list[tuple[Adapter, AdamParams]]) -> list[dict[str, float]
     for (adapter, adam), grad_norm, norm in zip(batch, grad_norms, norms):
         if not math.isfinite(grad_norm):
             continue
-        if adam.grad_clip_norm > 0:  # (clip_grad_norm_ with an infinite bound would still rescale by 1)
-            clip_grads_with_norm_([adapter.flat_grads], adam.grad_clip_norm, norm)
+        if adam.grad_clip_norm > 0:
+            clip_(adapter.flat_grads, adam.grad_clip_norm, norm)
         key = (adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay)
         calls.setdefault(key, _FusedCall()).add(adapter)
     with torch.no_grad():

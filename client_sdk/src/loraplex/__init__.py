@@ -36,12 +36,12 @@ from loraplex.service_client import ServiceClient  # noqa: E402
 from loraplex.tokenizers import PulledTokenizer, pull_tokenizer  # noqa: E402
 from loraplex.training_client import SaveWeightsResponse, TrainingClient  # noqa: E402
 from loraplex.types import (  # noqa: E402
-    AdamParams, Datum, ModelInput, SampledSequence, SampleResponse, SamplingParams, TensorData,
+    AdamParams, Datum, DimuonParams, ModelInput, SampledSequence, SampleResponse, SamplingParams, TensorData,
 )
 
 __all__ = [
     "APIConnectionError", "APIFuture", "APIStatusError", "AdamParams", "AuthenticationError", "BadRequestError",
-    "Datum", "InternalServerError", "LoraplexError", "ModelInput", "NotFoundError", "PermissionDeniedError",
+    "Datum", "DimuonParams", "InternalServerError", "LoraplexError", "ModelInput", "NotFoundError", "PermissionDeniedError",
     "PulledTokenizer", "RateLimitError", "RequestFailedError", "RestClient", "RolloutsClient", "SampleResponse",
     "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsResponse", "ServiceClient", "TensorData",
     "TrainingClient", "Trajectory", "TrajectoryDatums", "check_sequence_extension", "prefix_overlap",

@@ -13,7 +13,7 @@ import numpy as np
 
 from loraplex._seq import Counter
 from loraplex.futures import APIFuture, json_result, retrieve
-from loraplex.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepResponse
+from loraplex.types import AdamParams, Datum, DimuonParams, ForwardBackwardOutput, OptimStepResponse
 from loraplex.wire.client import decode_forward_backward_output, encode_forward_backward_request
 from loraplex.wire.codec import PROTOBUF
 
@@ -104,8 +104,10 @@ class TrainingClient:
 
     # --- optimizer, save, load -------------------------------------------------------------------
 
-    def optim_step(self, adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
-        return self._json_request("optim_step", {"adam_params": (adam_params or AdamParams()).to_json()},
+    def optim_step(self, params: AdamParams | DimuonParams | None = None) -> APIFuture[OptimStepResponse]:
+        """One step of the optimizer the model was created with; `params` of that optimizer's kind."""
+        key = "optimizer_params" if isinstance(params, DimuonParams) else "adam_params"
+        return self._json_request("optim_step", {key: (params or AdamParams()).to_json()},
                                   lambda r: OptimStepResponse(r.get("metrics", {})), "optim_step")
 
     def _json_request(self, kind: str, fields: dict[str, Any], convert: Callable[[dict], Any],

@@ -123,6 +123,26 @@ class AdamParams:
 
 
 @dataclass(frozen=True)
+class DimuonParams:
+    """Tinker's DimuonParams (one step of the Dimuon optimizer, chosen at model creation), with its
+    defaults: a step that leaves a field out gets its default, never an earlier step's value. What
+    each field does in Loraplex: docs/optimizers.md."""
+
+    learning_rate: float  # no default: a step scale that fits AdamW does not fit Dimuon
+    grad_clip_norm: float = 0.0  # <= 0 disables clipping
+    beta1: float = 0.9
+    damping: float = 1e-4
+    rank_lr_correction_exponent: float = 0.175
+
+    def to_json(self) -> dict:
+        return {"type": "dimuon", **self.__dict__}
+
+
+# the optimizers a model can be created with: Tinker's optimizer_config "type"
+OPTIMIZERS = ("adamw", "dimuon")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None
     seed: int | None = None

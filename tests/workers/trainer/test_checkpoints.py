@@ -70,7 +70,7 @@ def test_training_state_round_trip_continues_identically(trained, tmp_path):
 def test_load_without_optimizer_starts_fresh_moments(trained, tmp_path):
     path = trained.save_state("t", tmp_path / "state")
     restored = trained.load_state("fresh", path, with_optimizer=False)
-    assert restored.step == 0 and not restored.adam_state
+    assert restored.step == 0 and not restored.optimizer_state
     for (_, p), (_, q) in zip(trained.adapter("t").named_parameters(), restored.named_parameters()):
         assert torch.equal(p, q)
 

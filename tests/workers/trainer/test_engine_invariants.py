@@ -73,7 +73,7 @@ def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
     b = engine.adapter("b")
     before = {n: p.detach().clone() for n, p in b.named_parameters()}
     grads_before = grads(engine, "b")
-    moments_before = {k: v.clone() for k, v in b.adam_state.items()}
+    moments_before = {k: v.clone() for k, v in b.optimizer_state.items()}
 
     brutal = AdamParams(learning_rate=10.0, weight_decay=0.9, grad_clip_norm=1e-3)
     engine.optim_step([("a", brutal), ("c", brutal)])
@@ -81,7 +81,7 @@ def test_optim_step_of_one_adapter_leaves_others_bit_identical(engine):
     for n, p in b.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
         assert torch.equal(p.grad, grads_before[n]), n
-    for k, v in b.adam_state.items():
+    for k, v in b.optimizer_state.items():
         assert torch.equal(v, moments_before[k]), k
     assert b.step == 1 and engine.adapter("a").step == 1 and engine.adapter("c").step == 2
 
@@ -108,8 +108,8 @@ def test_one_optim_step_call_equals_each_adapter_stepped_alone(engine, tiny_mode
         mine, reference = engine.adapter(adapter_id), alone.adapter(adapter_id)
         for (n, p), q in zip(mine.named_parameters(), reference.parameters()):
             assert torch.equal(p.detach(), q.detach()), n
-        for k, v in mine.adam_state.items():
-            assert torch.equal(v, reference.adam_state[k]), (adapter_id, k)
+        for k, v in mine.optimizer_state.items():
+            assert torch.equal(v, reference.optimizer_state[k]), (adapter_id, k)
 
 
 def test_weights_times_two_doubles_the_loss(engine):
@@ -213,7 +213,7 @@ def test_a_step_on_non_finite_gradients_is_refused_and_leaves_the_adapter_as_it_
     result_a, result_b = engine.optim_step([("a", AdamParams(1e-2)), ("b", AdamParams(1e-2))])
     assert result_a.category == "user" and result_a.field == "gradients" and "NaN or inf" in str(result_a)
     assert result_b["step"] == 1.0 and result_b["grad_norm"] > 0
-    assert a.step == 0 and not a.has_gradients() and not a.adam_state
+    assert a.step == 0 and not a.has_gradients() and not a.optimizer_state
     for n, p in a.named_parameters():
         assert torch.equal(p, before[n]), n
 
@@ -234,3 +234,13 @@ def test_every_matrix_and_its_gradient_is_a_view_of_the_adapters_flat_tensors(en
     assert torch.equal(torch.cat([p.detach().flatten() for p in a.parameters()]), a.flat_weights)
     assert not a.has_gradients() and not a.flat_grads.any()  # the step cleared them
     assert all(p.untyped_storage().data_ptr() == a.flat_weights.untyped_storage().data_ptr() for p in a.parameters())
+
+
+def test_adamw_clips_the_gradient_to_grad_clip_norm(engine):
+    """The first step's exp_avg is (1 - beta1) * the gradient scaled down to grad_clip_norm."""
+    engine.forward_backward([ForwardBackwardInput("a", datums("cross_entropy", 13), "cross_entropy")])
+    gradient = engine.adapter("a").flat_grads.clone()
+    clip = 0.1 * float(gradient.norm())
+    (result,) = engine.optim_step([("a", AdamParams(1e-2, grad_clip_norm=clip))])
+    assert result["grad_norm"] == pytest.approx(float(gradient.norm()))  # reported before clipping
+    torch.testing.assert_close(engine.adapter("a").optimizer_state["exp_avg"], 0.1 * 0.1 * gradient)
