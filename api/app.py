@@ -22,7 +22,7 @@ from api.routes import (
     auth, copies, external_weights, futures, projects, reports, rollouts, run_metrics, runs, sampling, service,
     sessions, tokenizers, training, unsupported,
 )
-from api.routes import session_trace
+from api.routes import session_search, session_trace
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, s
     for module in (service, auth, sessions, projects, training, copies, futures, sampling, runs, external_weights,
                    reports, run_metrics, unsupported, tokenizers, rollouts):
         app.include_router(module.router, prefix="/api/v1")
-    for module in (session_trace,):  # sessions looked back at: search, Perfetto traces
+    for module in (session_search, session_trace):  # sessions looked back at: search, Perfetto traces
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(responses_api.router)  # before openai_api's catch-all under the same prefix
     app.include_router(openai_api.router)

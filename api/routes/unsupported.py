@@ -15,7 +15,6 @@ router = APIRouter()
 UNSUPPORTED = {
     ("POST", "/create_custom_loss"): "create_custom_loss (server-side custom losses): not supported by this server; "
                                      "the SDK's client-side forward_backward_custom works",
-    ("POST", "/sessions/search"): "search_sessions: not supported by this server; list_sessions and get_session are",
 }
 
 

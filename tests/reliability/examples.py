@@ -165,8 +165,7 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     # the trace itself: its signed URL is the credential (a key alone gets nothing)
     ("GET", f"{V1}/sessions/{{session_id}}/session.pftrace"): Example(
         PUBLIC, lambda w: {"session_id": w.ids.session}, owner_status=frozenset({403})),
-    ("POST", f"{V1}/sessions/search"): Example(TENANT, body=fixed({"user_metadata": {}, "limit": 50}),
-                                               owner_status=frozenset({400})),
+    ("POST", f"{V1}/sessions/search"): Example(TENANT, body=fixed({"user_metadata": {}, "limit": 50})),
 
     # the rollout store (api/routes/rollouts.py) and the OpenAI-compatible inference API (api/inference/)
     ("GET", f"{V1}/rollouts/trajectories"): Example(TENANT),
