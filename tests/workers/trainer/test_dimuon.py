@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -152,3 +153,44 @@ def test_dimuon_state_survives_save_and_load(tiny_model_path, tmp_path):
     assert not torch.equal(engine.adapter("fresh").flat_weights, engine.adapter("a").flat_weights)
     with pytest.raises(Exception, match="dimuon's, not adamw's"):
         engine.load_state("wrong", tmp_path / "state", optimizer="adamw")
+
+
+def test_dimuon_runs_paged_out_between_steps_continue_exactly(tiny_model_path, tmp_path):
+    """A trainer with room for one run pages the others out (momentum, step and gradients written, read
+    back on use): every run's numbers equal those of a trainer that keeps them all."""
+    from contract.queue import Cycle
+    from loraplex.wire.client import decode_forward_backward_output
+    from tests.workers.trainer.test_eviction import TOKENS, forward_backward, request
+    from workers.trainer.executor import InProcessExecutor
+
+    def create(model):
+        body = {"lora_config": {"rank": 4, "seed": ord(model)}, "optimizer": "dimuon"}
+        return request(model, 0, "create_model", json.dumps(body).encode())
+
+    def step(model, seq):
+        body = {"adam_params": {"learning_rate": 0.02, "grad_clip_norm": 0.0, "beta1": 0.9, "damping": 1e-4,
+                                "rank_lr_correction_exponent": 0.175}}
+        return request(model, seq, "optim_step", json.dumps(body).encode())
+
+    def run(executor) -> dict[str, list[float]]:
+        cycles = [[create(m)] for m in TOKENS]
+        for seq in (1, 3):  # forward_backward, then a step: the momentum of the first step shapes the second
+            cycles += [[forward_backward(m, seq)] for m in TOKENS] + [[step(m, seq + 1)] for m in TOKENS]
+        cycles += [[forward_backward(m, 5, forward_only=True)] for m in TOKENS]
+        logprobs = {}
+        for jobs in cycles:
+            kind = jobs[0][0].kind
+            cycle = Cycle(forward_backward=[q for q, _ in jobs] if kind in ("forward", "forward_backward") else [],
+                          optim_steps=[q for q, _ in jobs] if kind == "optim_step" else [],
+                          others=[q for q, _ in jobs] if kind == "create_model" else [])
+            outcomes = executor.run_cycle(cycle, {q.id: job for q, job in jobs})
+            assert all(o.error is None for o in outcomes.values()), outcomes
+            if kind == "forward":
+                q = jobs[0][0]
+                logprobs[q.model_id] = decode_forward_backward_output(outcomes[q.id].result)[0][0]["logprobs"].tolist()
+        assert all(adapter.optimizer == "dimuon" for adapter in executor.engine.adapters.values())
+        return logprobs
+
+    kept = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "all"))
+    paged = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "one", max_resident=1))
+    assert paged == kept
