@@ -103,7 +103,9 @@ REGISTRY: dict[str, ModelSpec] = {
                   _build_tiny("llama"), aliases=("tiny",)),
         ModelSpec("loraplex/tiny-qwen2", "tiny-qwen2", "tiny Qwen2 (q/k/v biases), same tokenizer",
                   _build_tiny("qwen2"), aliases=("tiny-qwen2",)),
-        ModelSpec("loraplex/tiny-qwen3", "tiny-qwen3", "tiny Qwen3 (q/k norms), same tokenizer",
+        # (its folder was renamed when it gained its tools template: a cache built before holds the old one)
+        ModelSpec("loraplex/tiny-qwen3", "tiny-qwen3-tools", "tiny Qwen3 (q/k norms), same tokenizer with a chat "
+                  "template that renders tools (Hermes format, as Qwen's)",
                   _build_tiny("qwen3"), aliases=("tiny-qwen3",)),
         ModelSpec("loraplex/tiny-mistral", "tiny-mistral", "tiny Mistral (a 16-token sliding window), same tokenizer",
                   _build_tiny("mistral"), aliases=("tiny-mistral",)),

@@ -19,6 +19,21 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Hermes-style, as Qwen's own: tools listed in a system turn, calls as <tool_call>{json}</tool_call>, which
+# vLLM's Hermes parser reads (api/inference/rendering.py). The Qwen-family tiny model carries it, so tools
+# work through the inference proxy on a built-in model; the others keep CHAT_TEMPLATE.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- for call in message.tool_calls %}{{ '\\n<tool_call>\\n' }}{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS_ARCHITECTURES = ("qwen3",)
 
 _WORDS = (
     "the a an of to and in is it you that he was for on are with as his they be at one have this from "
@@ -45,7 +60,7 @@ def tiny_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer():
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -64,7 +79,7 @@ def build_tokenizer():
         bos_token="<|endoftext|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
@@ -110,7 +125,7 @@ def tiny_config(arch: str, vocab_size: int):
 def build_tiny_model(dest: Path, arch: str = "llama", seed: int = 0) -> None:
     from transformers import AutoModelForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(TOOLS_CHAT_TEMPLATE if arch in TOOLS_ARCHITECTURES else CHAT_TEMPLATE)
     assert tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS) == [0, 1, 2], "special ids are baked into the config"
     config = tiny_config(arch, vocab_size=len(tokenizer))
     torch.manual_seed(seed)

@@ -8,17 +8,9 @@ from dataclasses import dataclass
 
 from loraplex import types
 
-HERMES_TEMPLATE = (  # a Hermes-style template (as Qwen's): tools in a system turn, calls as <tool_call>{json}
-    "{%- if tools %}<|im_start|>system\nTools:{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
-    "{%- for message in messages %}{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
-    "{%- for call in message.tool_calls %}{{ '\\n<tool_call>\\n' }}{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": "
-    "{{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "<|im_end|>\n{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from models.tiny import TOOLS_CHAT_TEMPLATE
+
+HERMES_TEMPLATE = TOOLS_CHAT_TEMPLATE  # the tools template loraplex/tiny-qwen3 carries
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 QUESTION = "What is 2 + 3?"
