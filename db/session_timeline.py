@@ -69,9 +69,11 @@ def timeline(s: Session, session: ClientSession) -> SessionTimeline:
                               .order_by(Sampler.created_at)))
     columns = (Request.id, Request.model_id, Request.seq_id, Request.kind, Request.state, Request.num_tokens,
                Request.output_tokens, Request.created_at, Request.started_at, Request.finished_at, Request.error)
-    rows = s.execute(sa.select(*columns).where(Request.tenant_id == session.tenant_id,
-                                               Request.model_id.in_(runs + samplers))
-                     .order_by(Request.created_at, Request.id)) if runs or samplers else []
+    # a subquery, not a list of ids: a long RL session may have thousands of samplers
+    models = sa.union(sa.select(TrainingModel.id).where(TrainingModel.session_id == session.id),
+                      sa.select(Sampler.id).where(Sampler.session_id == session.id))
+    rows = s.execute(sa.select(*columns).where(Request.tenant_id == session.tenant_id, Request.model_id.in_(models))
+                     .order_by(Request.created_at, Request.id))
     requests = [RequestSpan(r.id, r.model_id, r.seq_id, r.kind, r.state, r.num_tokens, r.output_tokens,
                             r.created_at, r.started_at, r.finished_at, (r.error or {}).get("error"))
                 for r in rows]
