@@ -38,6 +38,7 @@ class StateWriter:
         self._pending: dict[str, tuple[Location, TrainingState, dict]] = {}  # model id -> what to write
         self._then: dict[str, list[Callable[[], None]]] = {}  # model id -> to run once its pending state is written
         self._writing: str | None = None
+        self._finishing: str | None = None  # the model being written, once its callbacks are taken (running them)
         self._closed = False
         self._changed = threading.Condition()
         # The copies waiting here are memory beyond the trainer's budget (a page-out frees its run only as
@@ -60,7 +61,7 @@ class StateWriter:
         """Run `then` on the writer's thread once the model's state waiting or being written is written whole
         (never if that write fails); at once, here, if none is."""
         with self._changed:
-            if model_id in self._pending or self._writing == model_id:
+            if model_id in self._pending or (self._writing == model_id and self._finishing != model_id):
                 self._then.setdefault(model_id, []).append(then)
                 return
         then()
@@ -102,12 +103,15 @@ class StateWriter:
             except Exception:  # the durable state stays older; a restart replays more
                 log.exception("writing the training state of %s failed", model_id)
             with self._changed:  # one hold: a `when_written` finds the model writing, or its callbacks taken
-                self._writing = None
                 # a failed write drops them; a newer state of the model already waiting runs them when written
                 then = self._then.pop(model_id, []) if not written or model_id not in self._pending else []
-                self._changed.notify_all()
+                self._finishing = model_id
+            # Still `_writing`: a flush of the model waits for these too (they may remove a slot its restore reads).
             for action in then if written else []:
                 try:
                     action()
                 except Exception:
                     log.exception("after writing the training state of %s", model_id)
+            with self._changed:
+                self._writing = self._finishing = None
+                self._changed.notify_all()

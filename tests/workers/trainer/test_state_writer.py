@@ -1,6 +1,7 @@
 """The background writer of durable training states: newest state wins, flush waits for it."""
 
 import threading
+import time
 
 import torch
 
@@ -96,4 +97,21 @@ def test_submit_waits_while_the_copies_waiting_pass_their_bound(tmp_path):
     assert not submitted.wait(0.5)  # a second would pass the bound: it waits for the writer
     release.set()
     assert submitted.wait(30)
+    writer.close()
+
+
+def test_a_flush_waits_for_what_runs_after_the_write(tmp_path):
+    """A restore flushes the model first: the slot a page-out's callback removes must be gone by then."""
+    writer = StateWriter()
+    release = threading.Event()
+    first = state(1, release)
+    writer.submit("m", tmp_path / "m", first, {"seq_id": 1})
+    assert first.started.wait(30)
+    finished = []
+    writer.when_written("m", lambda: (time.sleep(0.3), finished.append(True)))
+    release.set()
+    writer.flush("m")
+    assert finished == [True]
+    writer.when_written("m", lambda: finished.append("at once"))  # nothing pending: here and now
+    assert finished == [True, "at once"]
     writer.close()
