@@ -39,6 +39,12 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None  # only the last n prompt positions are scored
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    # Tinker's distillation fields (workers/sampler/prompt_rows.py): the ids whose logprobs to return,
+    # dense [len(prompt) - 1, K] (-1: skip), and the request's CSR layout (crow, col) when it came as CSR;
+    # k draws per prompt position at the request's temperature
+    target_prompt_ids: list[list[int]] | None = None
+    target_prompt_csr: tuple[list[int], list[int]] | None = None
+    prompt_alt_tokens_k: int = 0
     # record_stability_info: the sequence ids (as asample answered) to record the samples under, for
     # stable_reinforce (db/stability.py); empty: nothing is recorded
     recorded_sequence_ids: tuple[str, ...] = ()
@@ -81,6 +87,9 @@ class SampleResult:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_cache_hit_tokens: int = 0
     topk: int | None = None  # width of the top-k tables
+    target_prompt_logprobs: list[list[float]] | None = None  # dense, as SampleJob.target_prompt_ids
+    target_prompt_csr: tuple[list[int], list[int]] | None = None  # the request's CSR layout, answered in it
+    prompt_alt_tokens: tuple[list[list[int]], list[list[float]]] | None = None  # (ids, logprobs) [len-1, k]
 
     def mask_prompt_logprobs(self, last_n: int | None) -> None:
         """Tinker's prompt_logprobs_last_n: positions before the last n are not scored (None)."""

@@ -91,6 +91,8 @@ class SamplingDispatcher:
                 row.result = encode_sample_response(
                     outcome.sequences, outcome.prompt_logprobs, topk_prompt_logprobs=outcome.topk_prompt_logprobs,
                     topk_k=outcome.topk, prompt_cache_hit_tokens=outcome.prompt_cache_hit_tokens,
+                    target_prompt_logprobs=outcome.target_prompt_logprobs, target_prompt_csr=outcome.target_prompt_csr,
+                    prompt_alt_tokens=outcome.prompt_alt_tokens,
                 )
                 row.result_content_type, row.state = PROTOBUF, RequestState.DONE
                 row.output_tokens = sum(len(seq.tokens) for seq in outcome.sequences)  # usage

@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Request
 from loraplex.types import SAMPLING_DEFAULTS, format_sequence_id
-from loraplex.wire.codec import WireError, model_input_tokens
+from loraplex.wire.codec import WireError, model_input_tokens, tensor_data_from_json
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import quotas
@@ -32,6 +32,12 @@ from storage.checkpoint_files import snapshot_policy_version
 
 router = APIRouter()
 MAX_TOPK = 20  # vLLM's default max_logprobs
+MAX_ALT_TOKENS_K = 256
+# target_prompt_logprobs and prompt_alt_tokens_k read the whole vocabulary's logprobs at every prompt
+# position (workers/sampler/prompt_rows.py): (len(prompt) - 1) x vocab values, held in Python lists by vLLM
+# (about 100 bytes each) on the engine's thread, so a request may ask for at most this many (4.2M: 85
+# positions of a 49k vocabulary, about 0.4 GB for a moment and 1.5 s of the engine on 2 CPU cores)
+MAX_WHOLE_ROW_CELLS = 2**22
 
 
 class CreateSamplingSession(BaseModel):
@@ -103,8 +109,8 @@ class SampleRequestIn(BaseModel):
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
     topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOPK)
-    target_prompt_logprobs: Any = None
-    prompt_alt_tokens_k: int = 0
+    target_prompt_logprobs: Any = None  # TensorData (JSON): int64 ids [len(prompt) - 1, K], dense or CSR
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_ALT_TOKENS_K)
     prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=INT32_MAX)
     record_stability_info: bool = False
 
@@ -155,6 +161,44 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
     raise HTTPException(400, "sampling_session_id: required (or the legacy base_model / model_path)")
 
 
+def _target_prompt_ids(body: SampleRequestIn, prompt_len: int,
+                       vocab: int) -> tuple[list[list[int]] | None, tuple[list[int], list[int]] | None]:
+    """(the ids of target_prompt_logprobs, dense [len(prompt) - 1, K] with -1 where nothing is asked, and the
+    request's CSR layout (crow, col) or None), checked; and the whole-row cost of both distillation fields."""
+    wanted = [name for name, asked in (("target_prompt_logprobs", body.target_prompt_logprobs is not None),
+                                       ("prompt_alt_tokens_k", body.prompt_alt_tokens_k > 0)) if asked]
+    if not wanted:
+        return None, None
+    field = wanted[0]
+    if prompt_len < 2:
+        raise HTTPException(400, f"{field}: the prompt needs 2 or more tokens (position 0 has no context)")
+    if (prompt_len - 1) * vocab > MAX_WHOLE_ROW_CELLS:
+        raise HTTPException(400, f"{field}: reads the whole vocabulary ({vocab}) at each of the prompt's "
+                                 f"{prompt_len - 1} scored positions, over this server's cap of "
+                                 f"{MAX_WHOLE_ROW_CELLS} values; send at most "
+                                 f"{MAX_WHOLE_ROW_CELLS // vocab + 1} prompt tokens")
+    raw = body.target_prompt_logprobs
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict) or raw.get("dtype") != "int64":
+        raise HTTPException(400, "target_prompt_logprobs: an int64 TensorData of token ids")
+    try:
+        ids = tensor_data_from_json(raw, "target_prompt_logprobs", pad=-1, max_dense_elements=MAX_WHOLE_ROW_CELLS)
+    except WireError as e:
+        raise HTTPException(400, str(e)) from None
+    if ids.ndim != 2 or ids.shape[0] != prompt_len - 1:
+        raise HTTPException(400, f"target_prompt_logprobs: shape [len(prompt) - 1, K] = [{prompt_len - 1}, K], "
+                                 f"got {list(ids.shape)}")
+    if ids.size and (ids.min() < -1 or ids.max() >= vocab):
+        raise HTTPException(400, f"target_prompt_logprobs: token ids in [0, {vocab}), or -1 to skip a cell")
+    if not (ids >= 0).any():
+        raise HTTPException(400, "target_prompt_logprobs: names no token id (every cell is -1)")
+    csr = None
+    if raw.get("sparse_crow_indices") is not None:
+        csr = ([int(i) for i in raw["sparse_crow_indices"]], [int(i) for i in raw["sparse_col_indices"]])
+    return ids.tolist(), csr
+
+
 def admit_sample(db, dispatcher, tenant_id: str, tokens: int) -> None:
     """A sample of `tokens` tokens (prompt and samples) may go to the sampler: within the tenant's quota
     (403/429), and the sampler has room (429 with Retry-After) and is up (503). Every sampling route's door."""
@@ -172,10 +216,6 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
     dispatcher = request.app.state.sampling
     if dispatcher is None:
         raise HTTPException(400, f"sampling is not available on this server: {request.app.state.sampling_unavailable}")
-    if body.target_prompt_logprobs is not None:
-        raise HTTPException(400, "target_prompt_logprobs: not supported by this server")
-    if body.prompt_alt_tokens_k:
-        raise HTTPException(400, "prompt_alt_tokens_k: not supported by this server")
     settings, info = request.app.state.settings, request.app.state.model_info
     if body.num_samples > settings.sampler_max_samples:
         raise HTTPException(400, f"num_samples: at most {settings.sampler_max_samples}, got {body.num_samples}")
@@ -188,6 +228,7 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
     if max(prompt) >= info.vocab_size:
         raise HTTPException(400, f"prompt: token id {max(prompt)} is not below the vocabulary size {info.vocab_size}")
     options = _options(body.sampling_params, len(prompt), info.max_context, info.vocab_size)
+    target_ids, target_csr = _target_prompt_ids(body, len(prompt), info.vocab_size)
     sid, adapter_path = _target(body, request, tenant.id, db)
     version = policy_version(adapter_path)
     admit_sample(db, dispatcher, tenant.id, len(prompt) + options.max_tokens * body.num_samples)
@@ -200,6 +241,7 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         adapter_path=adapter_path, prompt_logprobs=body.prompt_logprobs,
         prompt_logprobs_last_n=body.prompt_logprobs_last_n, topk_prompt_logprobs=body.topk_prompt_logprobs,
         topk_sample_logprobs=body.topk_sample_logprobs,
+        target_prompt_ids=target_ids, target_prompt_csr=target_csr, prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         # stable_reinforce: the samples are recorded under these ids when they finish (db/stability.py)
         recorded_sequence_ids=tuple(sequence_ids) if body.record_stability_info else (),
         policy_version=version,

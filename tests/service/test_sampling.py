@@ -195,7 +195,7 @@ def test_bad_sample_requests_name_the_field(server, api_key):
         "prompt": sample_body(sampler, 1, prompt={"chunks": [{"type": "encoded_text", "tokens": [1, 512]}]}),
         "max_tokens": sample_body(sampler, 2, sampling_params={"max_tokens": 10_000}),
         "top_k": sample_body(sampler, 3, sampling_params={"max_tokens": 4, "top_k": 0}),
-        "prompt_alt_tokens_k": sample_body(sampler, 4, prompt_alt_tokens_k=2),
+        "prompt_alt_tokens_k": sample_body(sampler, 4, prompt_alt_tokens_k=-1),
         "num_samples": sample_body(sampler, 5, num_samples=0),
         "topk_sample_logprobs": sample_body(sampler, 6, topk_sample_logprobs=1000),
     }

@@ -37,6 +37,7 @@ from contract.sampling import SampleDelta, SampleJob, SampleResult, SamplingOpti
 from storage import store
 from workers.compute_thread import ComputeThread, run_on
 from workers.sampler.snapshot_budget import largest_snapshot_bytes, sampler_memory_budget, snapshots_in_budget
+from workers.sampler import prompt_rows
 from workers.sampler.snapshot_check import check_snapshot
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,18 @@ class SamplerConfig:
         )
 
 
+def needs_whole_rows(job: SampleJob) -> bool:
+    """Whether the job needs the whole next-token distribution at every prompt position (prompt_rows.py)."""
+    return job.target_prompt_ids is not None or job.prompt_alt_tokens_k > 0
+
+
 def vllm_sampling_params(job: SampleJob):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     o: SamplingOptions = job.options
     grammar = StructuredOutputsParams(structural_tag=o.structural_tag) if o.structural_tag else None
+    whole_rows = needs_whole_rows(job)
     return SamplingParams(
         n=1 if o.temperature == 0 else job.num_samples,  # vLLM refuses n > 1 when greedy: to_result copies
         max_tokens=o.max_tokens, temperature=o.temperature,
@@ -99,7 +106,12 @@ def vllm_sampling_params(job: SampleJob):
         stop=list(o.stop_strings) or None, stop_token_ids=list(o.stop_token_ids) or None,
         ignore_eos=o.ignore_eos, structured_outputs=grammar,
         logprobs=job.topk_sample_logprobs,  # k >= 0: the sampled token's logprob, plus the top k
-        prompt_logprobs=job.topk_prompt_logprobs if job.prompt_logprobs or job.topk_prompt_logprobs else None,
+        prompt_logprobs=-1 if whole_rows else
+        job.topk_prompt_logprobs if job.prompt_logprobs or job.topk_prompt_logprobs else None,
+        # the text is never read here (tokens are), and decoding whole-vocabulary rows would cost more
+        # than computing them; stop strings need it
+        detokenize=not whole_rows or bool(o.stop_strings),
+        flat_logprobs=whole_rows,  # arrays, not a Logprob object per value: 6x faster on a 49k vocabulary
         output_kind=RequestOutputKind.DELTA if job.stream else RequestOutputKind.FINAL_ONLY,
     )
 
@@ -173,7 +185,9 @@ def to_result(job: SampleJob, output) -> SampleResult:
         sequences = sequences * job.num_samples
     result = SampleResult(sequences, prompt_cache_hit_tokens=output.num_cached_tokens or 0,
                           topk=max(job.topk_sample_logprobs, job.topk_prompt_logprobs) or None)
-    if output.prompt_logprobs is not None:
+    if output.prompt_logprobs is not None and needs_whole_rows(job):
+        _whole_row_fields(job, result, prompt_rows.full_rows(output.prompt_logprobs))
+    elif output.prompt_logprobs is not None:
         rows = list(output.prompt_logprobs)
         if job.prompt_logprobs:
             result.prompt_logprobs = [None if row is None else row[t].logprob for row, t in zip(rows, job.prompt)]
@@ -181,6 +195,21 @@ def to_result(job: SampleJob, output) -> SampleResult:
             result.topk_prompt_logprobs = [None if row is None else _topk_row(row, job.topk_prompt_logprobs) for row in rows]
         result.mask_prompt_logprobs(job.prompt_logprobs_last_n)
     return result
+
+
+def _whole_row_fields(job: SampleJob, result: SampleResult, full) -> None:
+    """Every prompt field a job asked for, read off the whole distribution at each position (prompt_rows.py)."""
+    if job.prompt_logprobs:
+        result.prompt_logprobs = prompt_rows.prompt_token_logprobs(full, job.prompt)
+    if job.topk_prompt_logprobs:
+        result.topk_prompt_logprobs = prompt_rows.topk_rows(full, job.topk_prompt_logprobs)
+    result.mask_prompt_logprobs(job.prompt_logprobs_last_n)
+    if job.target_prompt_ids is not None:
+        result.target_prompt_logprobs = prompt_rows.target_logprobs(full, job.target_prompt_ids)
+        result.target_prompt_csr = job.target_prompt_csr
+    if job.prompt_alt_tokens_k:
+        result.prompt_alt_tokens = prompt_rows.alt_draws(full, job.prompt_alt_tokens_k, job.options.temperature,
+                                                         job.options.seed)
 
 
 class SamplerEngine:
@@ -258,6 +287,7 @@ class SamplerEngine:
             # fails the whole step ("CPU Generator does not use offset" when vLLM rewinds its
             # generator); a whole prompt per step avoids the rewind
             enable_chunked_prefill=False, max_num_batched_tokens=max(c.max_model_len, 2048),
+            max_logprobs=-1,  # whole-vocabulary prompt rows (prompt_rows.py); the API caps the rest at 20
             distributed_executor_backend="uni", disable_log_stats=True,
         )
         return LLMEngine.from_engine_args(args)

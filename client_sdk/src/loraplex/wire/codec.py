@@ -468,8 +468,13 @@ def encode_sample_response(
     topk_prompt_logprobs: Sequence[Sequence[tuple[int, float]] | None] | None = None,
     topk_k: int | None = None,
     prompt_cache_hit_tokens: int = 0,
+    target_prompt_logprobs: Sequence[Sequence[float]] | None = None,
+    target_prompt_csr: tuple[Sequence[int], Sequence[int]] | None = None,
+    prompt_alt_tokens: tuple[Sequence[Sequence[int]], Sequence[Sequence[float]]] | None = None,
 ) -> bytes:
-    """Serialise a ``tinker_public.SampleResponse`` (sequence ids are not on the wire)."""
+    """Serialise a ``tinker_public.SampleResponse`` (sequence ids are not on the wire).
+    ``target_prompt_logprobs`` is dense ``[len(prompt) - 1, K]``; with ``target_prompt_csr`` (the request's
+    crow and col indices) it is answered in that CSR layout, as the request was."""
     msg = pb.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for i, seq in enumerate(sequences):
         if seq.stop_reason not in _STOP_REASONS:
@@ -491,4 +496,25 @@ def encode_sample_response(
         ).tobytes()
     if topk_prompt_logprobs is not None:
         msg.topk_prompt_logprobs.CopyFrom(_topk(topk_prompt_logprobs, topk_k, "topk_prompt_logprobs"))
+    if target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(_float_tensor(target_prompt_logprobs, target_prompt_csr))
+    if prompt_alt_tokens is not None:
+        tokens, logprobs = (np.asarray(a) for a in prompt_alt_tokens)
+        msg.prompt_alt_tokens.tokens.CopyFrom(pb.Tensor(dense=tokens.astype("<i8").tobytes(), dtype=pb.DTYPE_INT64,
+                                                        shape=tokens.shape))
+        msg.prompt_alt_tokens.logprobs.CopyFrom(_float_tensor(logprobs, None))
     return msg.SerializeToString()
+
+
+def _float_tensor(dense: Sequence[Sequence[float]], csr: tuple[Sequence[int], Sequence[int]] | None) -> Any:
+    """A 2-D float32 ``Tensor``: dense, or in a CSR layout (crow, col) with the listed cells' values."""
+    values = np.asarray(dense, dtype="<f4")
+    values = values if values.ndim == 2 else values.reshape(len(dense), 0)  # no rows, or rows of no cells
+    if csr is None:
+        return pb.Tensor(dense=values.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=values.shape)
+    crow, col = np.asarray(csr[0], dtype="<i8"), np.asarray(csr[1], dtype="<i8")
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    listed = values[rows, col] if col.size else np.zeros(0, "<f4")
+    return pb.Tensor(sparse_csr=pb.SparseCsr(values=listed.astype("<f4").tobytes(), crow_indices=crow.tobytes(),
+                                             col_indices=col.tobytes()),
+                     dtype=pb.DTYPE_FLOAT32, shape=values.shape)
