@@ -69,4 +69,5 @@ def signed_url(base_url: str, key: bytes, tinker_path: str, checkpoint_record: s
 def valid(key: bytes, checkpoint_record: str, file: str, expires: int, given: str, now: float | None = None) -> bool:
     """Whether `given` signs this file until `expires`, and that time has not passed."""
     expected = signature(key, checkpoint_record, file, expires)
-    return hmac.compare_digest(expected, given) and (time.time() if now is None else now) < expires
+    # (compare_digest refuses non-ASCII text: a hostile signature is simply not this one)
+    return given.isascii() and hmac.compare_digest(expected, given) and (time.time() if now is None else now) < expires
