@@ -19,6 +19,7 @@ from loraplex.types import AdamParams
 def test_kinds_are_the_strings_stored_in_rows():
     assert {k.value for k in RequestKind} == {
         "create_model", "forward", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+        "save_weights_external",
         "load_weights", "rejected", "sample"}
     assert json.dumps({"kind": RequestKind.OPTIM_STEP}) == '{"kind": "optim_step"}'
 
