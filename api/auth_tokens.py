@@ -9,14 +9,14 @@ hashed at rest; tokens are never stored.
 
 from __future__ import annotations
 
-import os
-import secrets
 import time
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
 import jwt
+
+from api.kept_secrets import kept_secret
 
 ALGORITHM = "HS256"
 ISSUER = "loraplex"
@@ -74,26 +74,8 @@ class TokenIssuer:
 
 
 def signing_secret(configured: str, data_dir: Path) -> bytes:
-    """The configured secret, else the one kept in the data dir (made on first start, readable by the
-    service's user only). Replicas that share the data dir share it; others need the setting."""
-    if configured:
-        return configured.encode()
-    path = data_dir / SECRET_FILE
-    try:
-        return path.read_bytes().strip()
-    except FileNotFoundError:
-        pass
-    data_dir.mkdir(parents=True, exist_ok=True)
-    draft = data_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-    draft.write_bytes(secrets.token_urlsafe(48).encode())
-    draft.chmod(0o600)
-    try:  # link, not rename: of two processes starting at once, the first one's secret is the one kept
-        os.link(draft, path)
-    except FileExistsError:
-        pass
-    finally:
-        draft.unlink()
-    return path.read_bytes().strip()
+    """The configured secret, else the one kept in the data dir (api/kept_secrets.py)."""
+    return configured.encode() if configured else kept_secret(data_dir, SECRET_FILE)
 
 
 def issuer_from(settings) -> TokenIssuer | None:

@@ -14,43 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import secrets
 import time
 from pathlib import Path
 from urllib.parse import quote
+
+from api.kept_secrets import kept_secret
 
 KEY_FILE = "download_url.key"
 
 
 def signing_key(settings) -> bytes:
-    return settings.download_url_key.encode() if settings.download_url_key else _key_in(Path(settings.data_dir))
-
-
-def _key_in(data_dir: Path) -> bytes:
-    path = data_dir / KEY_FILE
-    try:
-        return path.read_bytes().strip()
-    except FileNotFoundError:
-        pass
-    data_dir.mkdir(parents=True, exist_ok=True)
-    try:  # exclusive create: of two processes making it at once, one writes and both read its key
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return _written_key(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path.read_bytes().strip()
-
-
-def _written_key(path: Path) -> bytes:
-    """The key another process is writing: a moment after its exclusive create."""
-    for _ in range(100):
-        key = path.read_bytes().strip()
-        if key:
-            return key
-        time.sleep(0.01)
-    raise RuntimeError(f"{path} stays empty: remove it, or set LORAPLEX_DOWNLOAD_URL_KEY")
+    return settings.download_url_key.encode() if settings.download_url_key else kept_secret(Path(settings.data_dir), KEY_FILE)
 
 
 def signature(key: bytes, checkpoint_record: str, file: str, expires: int) -> str:
