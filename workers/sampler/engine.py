@@ -30,15 +30,17 @@ from types import SimpleNamespace
 from typing import Callable
 
 from loraplex.wire.codec import SampledSequenceWire
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from contract.errors import EngineError, InvalidInputError
 from contract.sampling import SampleDelta, SampleJob, SampleResult, SamplingOptions
 from storage import store
 from workers.compute_thread import ComputeThread, run_on
-from workers.sampler.snapshot_budget import largest_snapshot_bytes, sampler_memory_budget, snapshots_in_budget
 from workers.sampler import prompt_rows
+from workers.sampler.snapshot_budget import largest_snapshot_bytes, snapshots_in_budget
 from workers.sampler.snapshot_check import check_snapshot
+from workers.trainer.residency import memory_budget
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class SamplerConfig:
         return cls(
             model_path=info.path, max_model_len=info.max_context, max_lora_rank=settings.max_lora_rank,
             max_loras=settings.sampler_max_loras, max_cpu_loras=settings.sampler_max_cpu_loras or snapshots_in_budget(
-                sampler_memory_budget(settings.sampler_memory_budget, settings.sampler_memory_fraction),
+                memory_budget(settings.sampler_memory_budget, settings.sampler_memory_fraction, torch.device("cpu")),
                 largest_snapshot_bytes(info.path, settings.max_lora_rank, settings.sampler_dtype),
                 settings.sampler_max_loras),
             dtype=settings.sampler_dtype, kv_cache_gib=settings.sampler_kv_cache_gib,
