@@ -109,6 +109,12 @@ class Adapter:
         tensors = [self.flat_weights, self.flat_grads, *self.optimizer_state.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def stepped_bytes(self) -> int:
+        """What `resident_bytes` becomes once it has stepped: weights, gradients and each weights-sized tensor
+        of its optimizer's state (AdamW's scalar step counter aside)."""
+        return (2 + len(OPTIMIZER_STATE[self.optimizer])) * self.flat_weights.numel() * self.flat_weights.element_size()
+
     def has_gradients(self) -> bool:
         return self.gradients_pending
 

@@ -430,12 +430,12 @@ class InProcessExecutor:
     def _create_model(self, job: Job, body: CreateModelPayload) -> Outcome:
         model_id = job.request.model_id
         adapter = self.engine.create_adapter(model_id, body.lora_config, body.optimizer)
-        stepped = 4 * adapter.flat_weights.numel() * adapter.flat_weights.element_size()  # + gradients, 2 moments
+        stepped = adapter.stepped_bytes
         if self.residency.budget_bytes and stepped > self.residency.budget_bytes:
             self.engine.delete_adapter(model_id)
             raise InvalidInputError("lora_config.rank", (
                 f"a rank-{body.lora_config.rank} run of this base model holds {stepped / 2**20:.1f} MiB in training "
-                f"(weights, gradients, two AdamW moments), more than this trainer's memory budget of "
+                f"(weights, gradients, {body.optimizer}'s state), more than this trainer's memory budget of "
                 f"{self.residency.budget_bytes / 2**20:.1f} MiB; use a smaller rank (the operator sets the budget: "
                 "LORAPLEX_TRAINER_MEMORY_BUDGET)"))
         self.live.persist(model_id, job.request.seq_id, resets=True, started_by=RequestKind.CREATE_MODEL)

@@ -194,3 +194,16 @@ def test_dimuon_runs_paged_out_between_steps_continue_exactly(tiny_model_path, t
     kept = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "all"))
     paged = run(InProcessExecutor(TrainerEngine(tiny_model_path, max_rank=16), tmp_path / "one", max_resident=1))
     assert paged == kept
+
+
+def test_what_a_run_will_hold_after_a_step_is_known_before_it(tiny_model_path):
+    """create_model refuses a run whose stepped state exceeds the memory budget: its size counts the
+    optimizer's own state (one momentum for Dimuon, two moments for AdamW)."""
+    engine = engine_with(tiny_model_path, {"d": (4, "dimuon"), "a": (4, "adamw")})
+    expected = {name: engine.adapter(name).stepped_bytes for name in ("d", "a")}
+    for name, params in (("d", DimuonParams(learning_rate=0.01)), ("a", AdamParams(learning_rate=0.01))):
+        backward(engine, name, seed=1)
+        engine.optim_step([(name, params)])
+        scalar = 4 if name == "a" else 0  # AdamW's step counter, a float32 scalar (not counted: negligible)
+        assert engine.adapter(name).resident_bytes == expected[name] + scalar
+    assert expected["d"] * 4 == expected["a"] * 3
