@@ -2,20 +2,27 @@
 pointed at a policy alias, trained with GRPO from what the server's rollout store recorded.
 
     .venv/bin/python -m examples.agent_rl --base-model SmolLM2-135M-Instruct --steps 12
+    .venv/bin/python -m examples.agent_rl --base-model loraplex/tiny-qwen3 --protocol tools --steps 2
     (server and key from LORAPLEX_BASE_URL / LORAPLEX_API_KEY, or --base-url / --api-key)
 
 The agent (`CalculatorAgent`) knows nothing of Loraplex: it gets an `openai.OpenAI` client and a model
 name, and solves an arithmetic word problem in up to `max_turns` chat.completions calls. It may use a
-calculator by answering `CALC: <expression>`; it evaluates the expression, sends the result back as the
-next message and asks again; an answer without a call is its final one (the number after `ANSWER:`,
-else its last number). A worked example sits in the chat before the question. The
+calculator (a tool call or a `CALC: <expression>` reply, below); it evaluates the expression, sends the
+result back as the next message and asks again; an answer without a call is its final one (the number
+after `ANSWER:`, else its last number). A worked example sits in the chat before the question. The
 only thing it passes per episode is OpenAI's own `user` field, which the server reads as the trajectory
 id (any harness that tags its users works the same way).
 
-Why a text protocol and not OpenAI `tools`: the server renders tools with the base model's chat template
-and parses Hermes-style <tool_call> output (api/inference/rendering.py); the chat templates of `tiny`
-and SmolLM2-135M-Instruct render no tools, so the server refuses `tools` for them with a 400 naming the
-field. The calculator format is taught by the system prompt, and RL makes the model use it.
+Two ways to reach the calculator (`--protocol`, `auto` by default):
+- `tools`: OpenAI tool calls (`tools=[calculate]`). The server renders them with the base model's chat
+  template and parses Hermes-style <tool_call> output (docs/inference-proxy.md), so this needs a model
+  whose template renders tools (`loraplex/tiny-qwen3`, Qwen3). The first turn's call is forced
+  (`tool_choice` naming the tool, held by the sampler's grammar, the expression's characters limited
+  to arithmetic by its JSON schema): RL then learns what to compute, not the call format; middle
+  turns choose freely, and the last may not call.
+- `text`: the reply `CALC: <expression>`, taught by the system prompt and a worked example. For models
+  whose template renders no tools (`tiny`, SmolLM2-135M-Instruct): the server refuses `tools` for them
+  with a 400 naming the field, which is how `auto` tells the two apart.
 
 Each GRPO step:
 1. `group_size` episodes of each of `prompts_per_step` problems, concurrently, all through the policy
@@ -43,6 +50,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import openai
@@ -83,6 +91,12 @@ def calculate(expression: str) -> float:
         raise ValueError(str(e)) from None
 
 
+def final_answer(reply: str) -> float | None:
+    """The number after the reply's last "ANSWER:", else its last number."""
+    numbers = [m[1] for m in ANSWER.finditer(reply)] or re.findall(r"-?\d+(?:\.\d+)?", reply)
+    return float(numbers[-1]) if numbers else None
+
+
 @dataclass(frozen=True)
 class Episode:
     final: str  # the last reply
@@ -98,6 +112,7 @@ class CalculatorAgent:
         self.max_turns, self.max_tokens, self.temperature = max_turns, max_tokens, temperature
 
     def solve(self, question: str, user: str) -> Episode:
+        """One episode with the calculator reached by `CALC:` replies."""
         messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
         results: list[float] = []
         for turn in range(1, self.max_turns + 1):
@@ -107,8 +122,7 @@ class CalculatorAgent:
             messages.append({"role": "assistant", "content": reply})
             call = CALL.search(reply)
             if call is None or turn == self.max_turns:
-                numbers = [m[1] for m in ANSWER.finditer(reply)] or re.findall(r"-?\d+(?:\.\d+)?", reply)
-                return Episode(reply, float(numbers[-1]) if numbers else None, tuple(results), turn)
+                return Episode(reply, final_answer(reply), tuple(results), turn)
             try:
                 results.append(calculate(call[1]))
                 answer = f"Calculator: {results[-1]:g}"
@@ -116,6 +130,63 @@ class CalculatorAgent:
                 answer = f"Calculator error: {e}"
             messages.append({"role": "user", "content": answer})
         raise AssertionError("unreachable")
+
+
+TOOLS_SYSTEM = ("You solve arithmetic word problems. Use the calculate tool to compute, then reply with ANSWER: "
+                "followed by the number.")
+CALCULATE = {"type": "function", "function": {
+    "name": "calculate", "description": "Evaluate an arithmetic expression: numbers, + - * / and parentheses.",
+    "parameters": {"type": "object", "required": ["expression"], "properties": {
+        "expression": {"type": "string", "pattern": "^[0-9+*/(). -]{1,40}$"}}}}}
+FORCED = {"type": "function", "function": {"name": "calculate"}}
+TOOLS_EXAMPLE = [
+    {"role": "user", "content": EXAMPLE[0]["content"]},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+        "name": "calculate", "arguments": json.dumps({"expression": "3 * 4"})}}]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "12"},
+    {"role": "assistant", "content": "ANSWER: 12"}]
+
+
+class ToolCallingAgent(CalculatorAgent):
+    """The same agent with the calculator as an OpenAI tool: the first turn must call it, later turns may."""
+
+    def solve(self, question: str, user: str) -> Episode:
+        messages = [{"role": "system", "content": TOOLS_SYSTEM}, *TOOLS_EXAMPLE, {"role": "user", "content": question}]
+        results: list[float] = []
+        for turn in range(1, self.max_turns + 1):
+            last = turn == self.max_turns
+            choice = FORCED if turn == 1 else "none" if last else "auto"
+            message = self.client.chat.completions.create(
+                model=self.model, messages=messages, max_tokens=self.max_tokens, temperature=self.temperature,
+                user=user, tools=[CALCULATE], tool_choice=choice).choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls or last:
+                reply = message.content or ""
+                return Episode(reply, final_answer(reply), tuple(results), turn)
+            for call in message.tool_calls:
+                try:
+                    results.append(calculate(json.loads(call.function.arguments)["expression"]))
+                    answer = f"{results[-1]:g}"
+                except (ValueError, KeyError, TypeError) as e:  # (JSONDecodeError is a ValueError)
+                    answer = f"error: {e}"
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
+        raise AssertionError("unreachable")
+
+
+PROTOCOLS = {"tools": ToolCallingAgent, "text": CalculatorAgent}
+
+
+def accepts_tools(client: openai.OpenAI, model: str, user: str) -> bool:
+    """Whether the server takes `tools` for this model: it answers a 400 naming `tools` where the model's
+    chat template renders none. (An accepted probe is one short call, recorded under `user`.)"""
+    try:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "2 + 2?"}], max_tokens=1,
+                                       tools=[CALCULATE], user=user)
+    except openai.BadRequestError as e:
+        if "tools" in str(e):
+            return False
+        raise
+    return True
 
 
 # --- the task ----------------------------------------------------------------------------------------
@@ -164,7 +235,7 @@ def score(problem: Problem, episode: Episode, tool_bonus: float) -> float:
 
 class Run:
     def __init__(self, service: loraplex.ServiceClient, base_model: str, *, rank: int, seed: int,
-                 max_turns: int, max_tokens: int, temperature: float, workers: int) -> None:
+                 max_turns: int, max_tokens: int, temperature: float, workers: int, protocol: str = "auto") -> None:
         self.training = service.create_lora_training_client(base_model, rank=rank, seed=seed)
         self.store = loraplex.RolloutsClient(service)
         self.version = 0  # optimizer steps behind the alias's newest weights
@@ -172,11 +243,17 @@ class Run:
         self.alias = f"tinker://{self.training.model_id}/sampler_weights/@latest"
         client = openai.OpenAI(base_url=f"{service.config.base_url}/oai/api/v1", api_key=service.config.api_key,
                                max_retries=3, timeout=600)
-        self.explore = CalculatorAgent(client, self.alias, max_turns=max_turns, max_tokens=max_tokens,
-                                       temperature=temperature)
-        self.greedy = CalculatorAgent(client, self.alias, max_turns=max_turns, max_tokens=max_tokens, temperature=0.0)
-        self.pool = ThreadPoolExecutor(workers)
         self.tag = uuid.uuid4().hex[:8]  # trajectory ids of this run
+        if protocol == "auto":
+            probe = f"{self.tag}-probe"
+            protocol = "tools" if accepts_tools(client, self.alias, probe) else "text"
+            if protocol == "tools":
+                self.store.delete_trajectory(probe)  # not an episode
+        self.protocol = protocol
+        agent = PROTOCOLS[protocol]
+        self.explore = agent(client, self.alias, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature)
+        self.greedy = agent(client, self.alias, max_turns=max_turns, max_tokens=max_tokens, temperature=0.0)
+        self.pool = ThreadPoolExecutor(workers)
 
     def episodes(self, agent: CalculatorAgent, problems: list[Problem], prefix: str) -> list[tuple[str, Episode]]:
         users = [f"{self.tag}-{prefix}-{i}" for i in range(len(problems))]
@@ -197,10 +274,10 @@ class Run:
 def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 12, prompts_per_step: int = 8,
         group_size: int = 6, learning_rate: float = 1e-4, rank: int = 16, seed: int = 0, max_turns: int = 3,
         max_tokens: int = 32, temperature: float = 1.0, tool_bonus: float = 0.5, eval_every: int = 4,
-        held_out: int = 48, name: str = "agent_rl", results: Path = RESULTS) -> dict:
+        held_out: int = 48, name: str = "agent_rl", results: Path = RESULTS, protocol: str = "auto") -> dict:
     start = time.monotonic()
     rl = Run(service, base_model, rank=rank, seed=seed, max_turns=max_turns, max_tokens=max_tokens,
-             temperature=temperature, workers=max(prompts_per_step * group_size, held_out))
+             temperature=temperature, workers=max(prompts_per_step * group_size, held_out), protocol=protocol)
     train, evaluation = problem_sets(seed, held_out)
     rng = random.Random(seed)
     log = RunLog(name, results, training=rl.training)
@@ -248,18 +325,25 @@ def run(service: loraplex.ServiceClient, base_model: str, *, steps: int = 12, pr
     plot(log, ["reward", "tool_use", "right_calls", "held_out_success"])
     rl.pool.shutdown()
     return {"name": name, "kind": "agent_rl", "base_model": base_model, "steps": steps,
-            "held_out_success_start": first, "held_out_success_end": log.rows[-1]["held_out_success"],
+            "protocol": rl.protocol, "held_out_success_start": first, "held_out_success_end": log.rows[-1]["held_out_success"],
             "policy_alias": rl.alias, "seconds": time.monotonic() - start}
+
+
+class Protocol(str, Enum):
+    auto = "auto"
+    tools = "tools"
+    text = "text"
 
 
 def main(base_model: str = "SmolLM2-135M-Instruct", steps: int = 12, prompts_per_step: int = 8, group_size: int = 6,
          learning_rate: float = 1e-4, rank: int = 16, seed: int = 0, max_turns: int = 3, max_tokens: int = 32,
          temperature: float = 1.0, tool_bonus: float = 0.5, eval_every: int = 4, held_out: int = 48,
+         protocol: Protocol = Protocol.auto,
          base_url: str = typer.Option(None), api_key: str = typer.Option(None)) -> None:
     summary = run(loraplex.ServiceClient(base_url=base_url, api_key=api_key), base_model, steps=steps,
                   prompts_per_step=prompts_per_step, group_size=group_size, learning_rate=learning_rate, rank=rank,
                   seed=seed, max_turns=max_turns, max_tokens=max_tokens, temperature=temperature, tool_bonus=tool_bonus,
-                  eval_every=eval_every, held_out=held_out)
+                  eval_every=eval_every, held_out=held_out, protocol=protocol.value)
     print(json.dumps(summary, indent=2))
 
 

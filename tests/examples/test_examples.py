@@ -105,6 +105,7 @@ def test_agent_rl_trains_from_the_rollout_store_through_the_policy_alias(service
     assert sum(r["datums"] for r in rows[1:]) > 0 and rows[-1]["policy_version"] >= 1
     assert all(r["stale_turns"] == 0 for r in rows[1:])  # every call answered by the alias's newest weights
     assert summary["policy_alias"].endswith("/sampler_weights/@latest") and (tmp_path / "agent_rl.png").is_file()
+    assert summary["protocol"] == "text"  # `tiny`'s chat template renders no tools: the server said so with a 400
     store = loraplex.RolloutsClient(service[1])
     recorded = [t for t in store.list_trajectories(limit=100) if t.session_id.endswith("-s2-0")]
     assert len(recorded) == 1 and recorded[0].reward is not None  # rewarded in the store; eval episodes deleted

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 
 import anthropic
+import loraplex
 import openai
 import pytest
 from transformers import AutoTokenizer
 
+from examples import agent_rl
 from models.registry import resolve_model
 from models.tiny import TOOLS_CHAT_TEMPLATE
 from service.embedded import free_port
@@ -86,3 +88,19 @@ def test_a_forced_call_through_responses(server):
     [call] = [item for item in answer.output if item.type == "function_call"]
     assert call.name == "add" and isinstance(json.loads(call.arguments), dict)
 
+
+
+def test_the_agent_example_calls_its_calculator_as_a_tool(server, tmp_path, monkeypatch):
+    """examples/agent_rl.py on a model whose template renders tools: `auto` picks OpenAI tool calls, every
+    episode's first turn is a parsed call answered by a tool message (so each runs its two turns), and the
+    GRPO step trains on what the store recorded."""
+    base_url, key = server
+    # the untrained model solves nothing: score by the final reply's length parity, so that groups disagree
+    monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: float(len(episode.final) % 2))
+    summary = agent_rl.run(loraplex.ServiceClient(base_url=base_url, api_key=key), MODEL, steps=1,
+                           prompts_per_step=2, group_size=3, max_turns=2, max_tokens=120, held_out=2,
+                           eval_every=1, results=tmp_path)
+    assert summary["protocol"] == "tools"
+    [_, step] = [json.loads(line) for line in (tmp_path / "agent_rl.jsonl").read_text().splitlines()]
+    assert step["turns"] == 2.0  # turn 1's forced call was parsed and answered in every episode
+    assert step["datums"] > 0 and step["policy_version"] == 1 and step["stale_turns"] == 0
