@@ -1,10 +1,13 @@
-"""RL groups of a run, read from the rollout store (the dashboard's RL view, docs/dashboard.md).
+"""RL groups of a run (the dashboard's RL view, docs/dashboard.md): from the rollout store, and
+inferred from the run's own sample requests and training datums (db/inferred_groups.py).
 
 A group is the first-turn samples of one prompt at one step: the n choices of one call, and the
-trajectories that began with the same prompt tokens. A member's reward is its own, else its
-trajectory's; its output tokens are its sampled tokens, with a one-choice trajectory's later turns.
-Reading the rows (`group_members`) and summarising them (`step_summaries`) are apart, so the
-summary is plain arithmetic over plain data.
+trajectories that began with the same prompt tokens; the n samples of one SDK sample request; the
+datums with advantages of that prompt trained at that step. A datum's advantage goes to the member
+whose sampled tokens begin its completion (the same sample, stored twice), else it is a member of
+its own. A member's reward is its own, else its trajectory's; its output tokens are its sampled
+tokens, with a one-choice trajectory's later turns. Reading the rows (`run_groups`) and summarising
+them (`step_summaries`) are apart, so the summary is plain arithmetic over plain data.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from db.inferred_groups import DatumMember, advantage_outcome, datum_members, prompt_key, sample_groups
 from db.models import RolloutSample, RolloutTrajectory, RolloutTurn
 
 IN_LIST = 500  # ids per IN (...) query: bounded for every database
-OUTCOMES = ("all_good", "all_bad", "mixed")
+OUTCOMES = ("all_good", "all_bad", "mixed", "uniform")
+Groups = dict[tuple[int, bytes], list[dict]]  # (step, prompt as int32 bytes) -> members
 
 
 def of_run(run_id: str):
@@ -27,13 +32,14 @@ def of_run(run_id: str):
     return RolloutTurn.sampler_path.startswith(f"tinker://{run_id}/", autoescape=True)
 
 
-def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> dict[tuple[int, bytes], list[dict]]:
-    """(step, prompt tokens) -> the group's members, for the run's turns after step `since`. A turn
-    sampled from policy_version v is at step v + 1, the optimizer step its rollouts feed (as every
-    sample on the dashboard's axis: db/run_metrics.py)."""
+def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> tuple[Groups, set[str]]:
+    """(step, prompt tokens) -> the group's members, for the run's turns after step `since`, and the
+    sample requests those turns came from. A turn sampled from policy_version v is at step v + 1, the
+    optimizer step its rollouts feed (as every sample on the dashboard's axis: db/run_metrics.py)."""
     turns = s.execute(
         sa.select(RolloutTurn.id, RolloutTurn.trajectory_id, RolloutTurn.turn, RolloutTurn.policy_version,
-                  RolloutTurn.prompt_tokens, RolloutTrajectory.session_id, RolloutTrajectory.reward)
+                  RolloutTurn.prompt_tokens, RolloutTurn.request_id, RolloutTrajectory.session_id,
+                  RolloutTrajectory.reward)
         .join(RolloutTrajectory, RolloutTrajectory.id == RolloutTurn.trajectory_id)
         .where(RolloutTurn.tenant_id == tenant_id, of_run(run_id), RolloutTurn.policy_version >= since)  # feeds step > since
         .order_by(RolloutTurn.trajectory_id, RolloutTurn.turn)).all()
@@ -48,16 +54,44 @@ def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> dict[t
     for t in turns:
         if t.turn > 0 and len(samples[t.id]) == 1:
             later_tokens[t.trajectory_id] += len(samples[t.id][0].tokens) // 4
-    groups: dict[tuple[int, bytes], list[dict]] = defaultdict(list)
+    groups: Groups = defaultdict(list)
     for t in turns:
         if t.turn != 0:
             continue
         only = len(samples[t.id]) == 1
         for sample in samples[t.id]:
             groups[(t.policy_version + 1, t.prompt_tokens)].append({
-                "session_id": t.session_id, "turn": 0, "choice": sample.choice,
-                "reward": sample.reward if sample.reward is not None else t.reward,
-                "output_tokens": len(sample.tokens) // 4 + (later_tokens[t.trajectory_id] if only else 0)})
+                "source": "rollouts", "session_id": t.session_id, "turn": 0, "choice": sample.choice,
+                "reward": sample.reward if sample.reward is not None else t.reward, "advantage": None,
+                "output_tokens": len(sample.tokens) // 4 + (later_tokens[t.trajectory_id] if only else 0),
+                "_tokens": np.frombuffer(sample.tokens, dtype="<i4")})
+    return groups, {t.request_id for t in turns}
+
+
+def add_datum(members: list[dict], datum: DatumMember) -> None:
+    """A trained datum's advantage on the member it was built from (the first without one whose sampled
+    tokens begin the datum's completion), else the datum as a member of its own."""
+    for member in members:
+        tokens = member.get("_tokens")
+        if (member["advantage"] is None and tokens is not None and len(tokens) <= len(datum.completion)
+                and np.array_equal(datum.completion[:len(tokens)], tokens)):
+            member["advantage"] = datum.advantage
+            return
+    members.append({"source": "datum", "session_id": None, "turn": 0, "choice": None, "reward": None,
+                    "advantage": datum.advantage, "output_tokens": len(datum.completion)})
+
+
+def run_groups(s: Session, tenant_id: str, run_id: str, since: int) -> Groups:
+    """Every group of the run at steps after `since`: the rollout store's, the SDK's samples of one
+    prompt (num_samples > 1), and the datums with advantages the run trained on."""
+    groups, recorded = group_members(s, tenant_id, run_id, since)
+    for step, prompt, sequences in sample_groups(s, tenant_id, run_id, since, recorded):
+        groups[(step, prompt)].extend({
+            "source": "sample", "session_id": None, "turn": 0, "choice": choice, "reward": None, "advantage": None,
+            "output_tokens": len(tokens), "_tokens": np.asarray(tokens, dtype=np.int64)}
+            for choice, tokens in enumerate(sequences))
+    for step, datum in datum_members(s, tenant_id, run_id, since):
+        add_datum(groups[(step, prompt_key(datum.prompt))], datum)
     return groups
 
 
@@ -65,32 +99,41 @@ def _stats(values: list[float]) -> dict | None:
     return {"best": max(values), "mean": fmean(values), "worst": min(values)} if values else None
 
 
+def _outcome(rewards: list[float], advantages: list[float], good_above: float) -> str:
+    """By the rewards where there are any; else what the advantages tell (uniform or mixed); else unknown."""
+    if rewards:
+        return ("all_good" if all(r > good_above for r in rewards)
+                else "all_bad" if not any(r > good_above for r in rewards) else "mixed")
+    return advantage_outcome(advantages) or "unrewarded"
+
+
 def _group_json(prompt: bytes, members: list[dict], good_above: float) -> dict:
+    members = [{k: v for k, v in m.items() if k != "_tokens"} for m in members]
     rewards = [m["reward"] for m in members if m["reward"] is not None]
-    outcome = ("unrewarded" if not rewards else "all_good" if all(r > good_above for r in rewards)
-               else "all_bad" if not any(r > good_above for r in rewards) else "mixed")
+    advantages = [m["advantage"] for m in members if m["advantage"] is not None]
     ids = np.frombuffer(prompt, dtype="<i4").tolist()  # (the route decodes them to text)
-    return {"prompt_tokens": len(ids), "prompt_ids": ids, "size": len(members), "outcome": outcome,
-            "reward": _stats(rewards), "mean_output_tokens": fmean(m["output_tokens"] for m in members),
+    return {"prompt_tokens": len(ids), "prompt_ids": ids, "size": len(members),
+            "outcome": _outcome(rewards, advantages, good_above), "reward": _stats(rewards),
+            "advantage": _stats(advantages), "mean_output_tokens": fmean(m["output_tokens"] for m in members),
             "members": members}
 
 
-def step_summaries(groups: dict[tuple[int, bytes], list[dict]], good_above: float) -> list[dict]:
+def step_summaries(groups: Groups, good_above: float) -> list[dict]:
     """Per step: its groups, the reward over all members, and the fraction of each outcome among the
-    rewarded groups (a reward above `good_above` is good)."""
+    groups whose outcome is known, by rewards or advantages (a reward above `good_above` is good)."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     for (step, prompt), members in groups.items():
         by_step[step].append(_group_json(prompt, members, good_above))
     steps = []
     for step in sorted(by_step):
         step_groups = by_step[step]
-        rewarded = [g for g in step_groups if g["outcome"] != "unrewarded"]
+        known = [g for g in step_groups if g["outcome"] != "unrewarded"]
         members = [m for g in step_groups for m in g["members"]]
         steps.append({
             "step": step, "groups": step_groups,
             "reward": _stats([m["reward"] for m in members if m["reward"] is not None]),
             "mean_output_tokens": fmean(m["output_tokens"] for m in members),
-            "fractions": {k: (sum(g["outcome"] == k for g in rewarded) / len(rewarded) if rewarded else 0.0)
+            "fractions": {k: (sum(g["outcome"] == k for g in known) / len(known) if known else 0.0)
                           for k in OUTCOMES},
         })
     return steps

@@ -105,6 +105,7 @@ def record_sample(s: Session, row: Request, adapter_path: str | None, policy_ver
     s.add(ServiceMetric(tenant_id=row.tenant_id, run_id=run_id, source=RequestKind.SAMPLE, request_id=row.id,
                         step=policy_version, numbers={
                             "sample_tokens": sum(len(seq.tokens) for seq in sequences),
+                            "samples": len(sequences),  # > 1: an RL group (db/inferred_groups.py)
                             "sample_seconds": (utcnow() - row.created_at).total_seconds(),
                             "logprob_sum": sum(finite), "logprob_tokens": len(finite)}))
 

@@ -21,7 +21,7 @@ from api.input_policy import readable
 from contract.kinds import RequestKind
 from db.models import Request as RequestRow
 from db.models import RequestState, RolloutSample, RolloutTrajectory, RolloutTurn
-from db.rl_groups import group_members, step_summaries
+from db.rl_groups import run_groups, step_summaries
 
 TRAINER_SEARCH = 50  # newest forward/forward_backward requests of the run searched for a trajectory's tokens
 
@@ -39,7 +39,7 @@ def rl_groups(run_id: str, request: Request, viewer: CurrentViewer, db: DB, sinc
               good_above: Annotated[float, Query(allow_inf_nan=False)] = 0.0) -> dict:
     """The run's RL groups per step (db/rl_groups.py)."""
     run = visible_run(db, viewer, run_id)
-    groups = group_members(db, run.tenant_id, run_id, since)
+    groups = run_groups(db, run.tenant_id, run_id, since)
     steps = step_summaries(groups, good_above)
     if steps:
         from api.inference.rendering import tokenizer_of  # transformers: loaded on first use

@@ -80,13 +80,20 @@ def test_rl_groups(loop):
     [step] = http.get(f"/runs/{run}/rl_groups").json()["steps"]
     assert step["step"] == 2  # sampled from snapshot 1: the rollouts of step 2
     groups = sorted(step["groups"], key=lambda g: (g["size"], g["outcome"]))
-    assert [(g["size"], g["outcome"]) for g in groups] == [(1, "unrewarded"), (2, "all_good"), (3, "mixed")]
+    # PROMPT's group: the inference API's call of n=3 (rewarded) and the SDK's 2 samples of the same prompt
+    # at the same step (unrewarded: they count in lengths, not in rewards)
+    assert [(g["size"], g["outcome"]) for g in groups] == [(1, "unrewarded"), (2, "all_good"), (5, "mixed")]
     assert all(g["prompt_text"] for g in groups) and [g["prompt_tokens"] for g in groups] == [
         len(AGENT_PROMPT), len(OTHER_PROMPT), len(PROMPT)]
+    assert [m["source"] for m in groups[2]["members"]] == ["rollouts"] * 3 + ["sample"] * 2
+    assert groups[2]["reward"] == {"best": 1.0, "mean": 2 / 3, "worst": 0.0}
     groups = groups[1:]  # the rewarded ones
     assert groups[0]["reward"] == {"best": 1.0, "mean": 0.75, "worst": 0.5}
-    assert step["fractions"] == {"all_good": 0.5, "all_bad": 0.0, "mixed": 0.5}
-    assert all(0 < m["output_tokens"] <= 6 for g in groups for m in g["members"])
+    # the trained trajectories' datums (advantage 1.0) land on the samples they were built from
+    assert [m["advantage"] for m in groups[0]["members"]] == [1.0, 1.0]
+    assert step["fractions"] == {"all_good": 0.5, "all_bad": 0.0, "mixed": 0.5, "uniform": 0.0}
+    # max_tokens: 6 through the inference API, 8 through the SDK
+    assert all(0 < m["output_tokens"] <= (8 if m["source"] == "sample" else 6) for g in groups for m in g["members"])
     assert http.get(f"/runs/{run}/rl_groups", params={"since": 2}).json()["steps"] == []
     assert "good_above" in http.get(f"/runs/{run}/rl_groups", params={"good_above": "inf"}).json()["detail"]
 

@@ -34,8 +34,9 @@ def forward_backward_metrics(request: ForwardBackwardInput, result: EngineOutput
 
     tokens: loss-bearing target tokens; shared_tokens: input tokens that repeat their group's first
     datum (the trainer's shared-prefix plan, at its default threshold, whether or not sharing is on);
-    gap_*: over trained tokens whose datum carried the sampler's `logprobs`, |trainer - sampler|
-    and the k3 estimate r - 1 - log r of KL(sampler || trainer), r = exp(trainer - sampler).
+    advantage_datums: datums carrying `advantages`; gap_*: over trained tokens whose datum carried the
+    sampler's `logprobs`, |trainer - sampler| and the k3 estimate r - 1 - log r of KL(sampler ||
+    trainer), r = exp(trainer - sampler).
     The datums' arrays are joined once and reduced together: a few hundred microseconds for a group."""
     trainer, masks, gap_trainer, gap_sampler = [], [], [], []
     for datum, output in zip(request.data, result.loss_fn_outputs):
@@ -52,7 +53,9 @@ def forward_backward_metrics(request: ForwardBackwardInput, result: EngineOutput
     metrics = {"step": step + 1, "loss_sum": float(result.metrics.get("loss:sum", 0.0)),
                "tokens": int(np.concatenate(masks).sum()) if masks else 0,
                "input_tokens": sum(t.numel() for t in trainer),
-               "shared_tokens": sum(share_plan(rows, MIN_SHARED_TOKENS)), "datums": len(request.data)}
+               "shared_tokens": sum(share_plan(rows, MIN_SHARED_TOKENS)), "datums": len(request.data),
+               # the dashboard reads the RL groups of only these requests' datums (db/inferred_groups.py)
+               "advantage_datums": sum("advantages" in d.loss_fn_inputs for d in request.data)}
     if gap_trainer:
         diff = torch.cat(gap_trainer).double().numpy() - np.concatenate(gap_sampler).astype(np.float64)
         with np.errstate(over="ignore"):  # an overflowing ratio gives inf, which the scheduler leaves out
