@@ -133,6 +133,9 @@ class _ReplayOnto:
     def trainer_memory(self) -> dict:
         return {}  # a repair's engine serves no one
 
+    def prefetch(self, model_ids: list[str]) -> None:
+        pass  # the base is in the engine already
+
     def close(self) -> None:
         pass  # `rebuild` closes the executor it wraps
 

@@ -28,6 +28,12 @@ class Executor(Protocol):
         """Run one cycle; one outcome per request (failures included: it does not raise)."""
         ...
 
+    def prefetch(self, model_ids: list[str]) -> None:
+        """A hint, never waited for: requests of these models are queued for the next cycles, so an engine
+        may start reading those it paged out back in (workers/trainer/prefetch.py). Honoured or ignored:
+        nothing else changes. Called from any thread."""
+        ...
+
     def durable_seq(self, model_id: str, at_most: int | None = None) -> int | None:
         """The seq_id the model's stored state reflects (None: none stored); `at_most`: the seq_id the
         database holds as applied (a newer stored state is never used)."""

@@ -21,6 +21,9 @@ class ResidencyStats:
     page_outs: int
     recent_page_ins: int  # within the last WINDOW_SECONDS
     recent_page_in_seconds: float
+    prefetch_hits: int = 0  # page-ins served from a state read ahead of the cycle
+    prefetch_misses: int = 0  # page-ins that read the store on the cycle's path
+    prefetched_bytes: int = 0  # states read ahead and not yet used, held beside the budget
 
     @classmethod
     def empty(cls) -> ResidencyStats:

@@ -159,6 +159,9 @@ class CeleryExecutor:
                 self._splitting.discard(q.model_id)
         return outcomes
 
+    def prefetch(self, model_ids: list[str]) -> None:
+        """Ignored: a worker pages its runs in on its cycle's path (sending hints to workers is not built)."""
+
     def close(self) -> None:
         """Let go of the connections (the workers keep their engines, and write their own states)."""
         self.app.close()

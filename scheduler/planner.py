@@ -178,6 +178,13 @@ class CyclePlanner:
         return True
 
     @staticmethod
+    def upcoming(runnable: dict[str, list[QueuedRequest]], cycle: Cycle) -> list[str]:
+        """The models with runnable requests that `cycle` left for the next ones (over its token budget, or
+        its tenant over its limit): the executor can page them in meanwhile (executor.prefetch)."""
+        planned = {q.model_id for q in cycle.all()}
+        return [model_id for model_id in runnable if model_id not in planned]
+
+    @staticmethod
     def _add_part(cycle: Cycle, split: Split, tokens: int) -> None:
         cycle.forward_backward.append(replace(split.request, num_tokens=tokens))
         cycle.parts[split.request.id] = Part(split.datums_done, tokens)

@@ -40,6 +40,9 @@ from scheduler.planner import CyclePlanner
 
 log = logging.getLogger(__name__)
 
+# kinds that start a model's state afresh rather than run on it: nothing to read ahead for them
+STARTS_STATE = (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS, RequestKind.REJECTED)
+
 
 @dataclass
 class CycleLog:
@@ -105,6 +108,8 @@ class SchedulerService:
     def submit(self, request: QueuedRequest) -> None:
         self.inbox.put(request)
         self.wakeup.set()
+        if request.kind not in STARTS_STATE:  # it will need its model's state: a paged-out one is read meanwhile
+            self.executor.prefetch([request.model_id])
 
     def recover(self) -> int:
         """Queue every training request that was accepted but not finished (a running one is re-run:
@@ -274,6 +279,8 @@ class SchedulerService:
             self._idle = not cycle and not replayed
             if not cycle:
                 return replayed
+            if upcoming := self.planner.upcoming(runnable, cycle):  # paged in while this cycle runs
+                self.executor.prefetch(upcoming)
             requests = cycle.all()
             self.buffer.start([q for q in requests if q.id not in cycle.continuing])  # those are running already
             selected = s.execute(sa.select(Request.id, Request.payload, Request.error)

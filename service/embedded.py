@@ -104,7 +104,8 @@ def build(settings: Settings) -> EmbeddedServer:
                                    memory_budget=(settings.trainer_memory_budget, settings.trainer_memory_fraction),
                                    state_write_interval=settings.state_write_interval_seconds,
                                    min_shared_prefix=settings.trainer_min_shared_prefix,
-                                   keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults)
+                                   keep_glibc_malloc_defaults=settings.keep_glibc_malloc_defaults,
+                                   prefetch_bytes=settings.trainer_prefetch_bytes)
     else:
         engine = run_on(compute, lambda: TrainerEngine(info.path, max_rank=settings.max_lora_rank,
                                                        min_shared_prefix=settings.trainer_min_shared_prefix,
@@ -114,7 +115,8 @@ def build(settings: Settings) -> EmbeddedServer:
                                      settings.state_write_interval_seconds, compute,
                                      memory_budget=residency.memory_budget(settings.trainer_memory_budget,
                                                                            settings.trainer_memory_fraction,
-                                                                           engine.device))
+                                                                           engine.device),
+                                     prefetch_bytes=settings.trainer_prefetch_bytes)
     notifier = Notifier()
     scheduler = SchedulerService(sessions, executor, settings.cycle_token_budget, notifier,
                                  settings.cycle_gather_seconds, settings.seq_gap_seconds,

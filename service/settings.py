@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     trainer_memory_fraction: float = Field(
         0.4, ge=0, le=1, description="unless trainer_memory_budget is set: the budget as a fraction of the memory "
         "adapters live in (the GPU's; the machine's RAM on CPU) (0: no limit)")
+    trainer_prefetch_bytes: ByteSize | None = Field(
+        None, description="bytes of paged-out runs' state a trainer reads back ahead of the cycle that needs them "
+        "(the scheduler's queued requests say which), held beside the memory budget (unset: a quarter of the budget; "
+        "0: off; docs/memory.md)")
     max_resident_adapters: int = Field(0, description="besides the byte budget, at most this many runs in a "
                                        "trainer's memory (0: no limit)")
     engine_process: bool = Field(False, description="embedded mode: the trainer engine in a child process (its own GIL), "

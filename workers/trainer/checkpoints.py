@@ -131,11 +131,13 @@ def load_training_state(
     *,
     with_optimizer: bool = True,
     optimizer: str | None = None,
+    read: tuple[dict, dict] | None = None,
 ) -> Adapter:
     """The adapter a training state holds. with_optimizer: with its optimizer, that optimizer's state and
     step, and any pending gradients (resuming, or paging in); `optimizer`, when given, must be the
-    checkpoint's. Without: its weights only, with a fresh `optimizer` (AdamW when None)."""
-    manifest, tensors = read_verified_state(path)
+    checkpoint's. Without: its weights only, with a fresh `optimizer` (AdamW when None). `read`: its
+    manifest and tensors, read and verified already (a page-in read ahead: workers/trainer/prefetch.py)."""
+    manifest, tensors = read if read is not None else read_verified_state(path)
     saved_optimizer = manifest.get("optimizer", "adamw")  # states written before Dimuon were AdamW's
     if with_optimizer and optimizer not in (None, saved_optimizer):
         raise CheckpointError(f"its optimizer state is {saved_optimizer}'s, not {optimizer}'s")

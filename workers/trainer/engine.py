@@ -281,12 +281,13 @@ class TrainerEngine:
         return checkpoints.save_training_state(self.adapter(adapter_id), path, extra, with_gradients=with_gradients)
 
     def load_state(self, adapter_id: str, path: str | Path, *, with_optimizer: bool = True,
-                   optimizer: str | None = None) -> Adapter:
+                   optimizer: str | None = None, read: tuple[dict, dict] | None = None) -> Adapter:
         """Create (or replace) `adapter_id` from a training-state checkpoint: with its optimizer and that
-        optimizer's state, or (with_optimizer=False) its weights and a fresh `optimizer` (AdamW when None)."""
+        optimizer's state, or (with_optimizer=False) its weights and a fresh `optimizer` (AdamW when None).
+        `read`: the checkpoint's manifest and tensors, already read and verified (a prefetched page-in)."""
         adapter = checkpoints.load_training_state(
             adapter_id, path, self.base_layers, self.dtype, self.max_rank, with_optimizer=with_optimizer,
-            optimizer=optimizer,
+            optimizer=optimizer, read=read,
         )
         self.adapters[adapter_id] = adapter
         return adapter

@@ -18,7 +18,10 @@ state left fails its requests alone, with a message saying what was found and wh
 Eviction (paging out to stay within the memory budget, workers/trainer/residency.py; or moving the
 adapter to another worker) writes the adapter's full state, accumulated gradients included, marked
 with the last seq_id it ran, then drops it from memory: whoever loads it next continues exactly where
-it stopped, with nothing to replay.
+it stopped, with nothing to replay. Paging back in can begin before the cycle: `prefetch` (a hint from
+the scheduler: runs its queued requests need) reads and verifies paged-out states on a background
+thread, into host buffers of at most `prefetch_bytes` (workers/trainer/prefetch.py), and the cycle only
+copies them in.
 
 A request larger than a cycle comes in parts (`Job.part`, scheduler/planner.py): the executor
 validates it whole at its first part, runs each part with passes of its own, keeps the parts'
@@ -71,6 +74,7 @@ log = logging.getLogger(__name__)
 REPLACES_STATE = (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS, RequestKind.REJECTED)
 # kinds that change a model's training state in memory (gradients, or weights and moments)
 CHANGES_STATE = (RequestKind.FORWARD_BACKWARD, RequestKind.OPTIM_STEP)
+PREFETCH_SHARE = 4  # by default, states read ahead take up to a quarter of the memory budget, beside it
 
 
 def encoded(result: EngineOutput) -> Outcome:
@@ -89,9 +93,11 @@ class InProcessExecutor:
 
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, max_resident: int = 0,
                  state_write_interval: float = 0.0, compute: ComputeThread | None = None,
-                 answer_resent: bool = False, memory_budget: int = 0) -> None:
+                 answer_resent: bool = False, memory_budget: int = 0, prefetch_bytes: int | None = None) -> None:
         """max_resident, memory_budget: the most runs, and bytes of their state, kept in memory (0: no
         limit); the least recently used are paged out to `live_dir` (workers/trainer/residency.py).
+        prefetch_bytes: the most bytes of paged-out states read ahead of their cycle (`prefetch`), beside
+        the budget (None: a quarter of memory_budget; 0: none).
         compute: the thread the engine's work runs on, shared with the sampler's steps, which it
         lets in between passes (workers/compute_thread.py); None: the calling thread.
         answer_resent: answer a request of the model's last cycle, sent again, from its outcome instead of
@@ -112,11 +118,19 @@ class InProcessExecutor:
         self._compute = compute
         if compute is not None:
             engine.between_passes = compute.interleave
-        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval, compute, busy=self.splitting)
+        if prefetch_bytes is None:
+            prefetch_bytes = memory_budget // PREFETCH_SHARE
+        self.live = LiveStates(engine, live_dir, self._lock, state_write_interval, compute, busy=self.splitting,
+                               prefetch_bytes=prefetch_bytes)
 
     def close(self) -> None:
         """Capture the durable states not yet captured and finish writing them."""
         self.live.close()
+
+    def prefetch(self, model_ids: list[str]) -> None:
+        """A hint: these runs' requests are queued. Those paged out are read back and verified in the
+        background (not on the compute thread, no lock), for their cycle to copy in; never waited for."""
+        self.live.prefetch([m for m in model_ids if m not in self.engine.adapters])
 
     def place(self, model_ids: set[str]) -> set[str]:
         """Load the models that are not in memory, but those this trainer paged out itself (they load with
@@ -181,7 +195,7 @@ class InProcessExecutor:
                     f"(after seq_id {restored.seq}; {'; '.join(restored.problems) or 'the newer one was not found'}) "
                     f"and the requests after it must be replayed onto it first; send the request again", "server")
             else:
-                self.residency.paged_in(model_id, time.perf_counter() - started)
+                self.residency.paged_in(model_id, time.perf_counter() - started, prefetched=restored.prefetched)
         if not unavailable:
             return cycle, {}
         kept = cycle.keeping(lambda q: q.model_id not in unavailable)
@@ -202,7 +216,9 @@ class InProcessExecutor:
     def residency_stats(self) -> ResidencyStats:
         """What is resident and paged out, and the page-ins so far (for operators; from any thread)."""
         adapters = list(self.engine.adapters.items())  # a copy: a cycle may add or drop one meanwhile
-        return self.residency.stats({m: a.resident_bytes for m, a in adapters})
+        prefetcher = self.live.prefetcher
+        return self.residency.stats({m: a.resident_bytes for m, a in adapters},
+                                    prefetcher.held_bytes if prefetcher is not None else 0)
 
     def trainer_memory(self) -> dict[str, ResidencyStats]:
         return {"engine": self.residency_stats()}
@@ -215,6 +231,8 @@ class InProcessExecutor:
     def _evict(self, model_id: str, paging: bool = False) -> None:
         """paging: to make room (it comes back here); else it leaves this engine for another."""
         if model_id not in self.engine.adapters:
+            if not paging:  # (paged out already) a copy of it read ahead here must not outlive the move
+                self.live.forget(model_id)
             return
         if paging:
             self.residency.paged_out(model_id, self.engine.adapters[model_id].resident_bytes)

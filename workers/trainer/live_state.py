@@ -27,6 +27,10 @@ load_weights start a new history: their state goes to both slots, and every mani
 seq_id its history started at (`lineage_seq`), so a state from before a load is never used as a
 base for replaying requests after it. Where no usable state is left, the model's requests fail
 with `LiveStateError`, naming what was found and what to do (`loraplex-admin models rebuild`).
+
+Prefetch (`prefetch`, workers/trainer/prefetch.py): runs the scheduler says are queued are read and
+verified on a background thread; `restore` then uses that copy if it is of the very slot and manifest
+it would load, and reads the slot itself otherwise. Every write of a model discards its copy.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from storage.checkpoint_files import CheckpointError
 from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
 from workers.compute_thread import ComputeThread, run_on
 from workers.trainer.checkpoints import TrainingState
+from workers.trainer.prefetch import Prefetcher
 from workers.trainer.state_writer import StateWriter
 
 if TYPE_CHECKING:
@@ -58,6 +63,7 @@ class Restored:
     seq: int  # the seq_id the loaded state reflects
     expected: int  # the seq_id this process last wrote or reported for the model (-1: none)
     problems: list[str]  # what was wrong with newer slots
+    prefetched: bool = False  # loaded from a copy read ahead (workers/trainer/prefetch.py), not from the store
 
     @property
     def behind(self) -> bool:
@@ -68,8 +74,9 @@ class Restored:
 class LiveStates:
     def __init__(self, engine: TrainerEngine, live_dir: str | Path, engine_lock: threading.RLock,
                  interval: float = 0.0, compute: ComputeThread | None = None,
-                 busy: Callable[[], set[str]] = set) -> None:
-        """busy: the models whose state must not be captured now (halfway through a request in parts)."""
+                 busy: Callable[[], set[str]] = set, prefetch_bytes: int = 0) -> None:
+        """busy: the models whose state must not be captured now (halfway through a request in parts).
+        prefetch_bytes: the most bytes of states read ahead (`prefetch`; 0: none are)."""
         self.engine = engine
         self._busy = busy
         self._compute = compute  # where the timer's and close's captures (copies) run, as the engine's work
@@ -95,6 +102,7 @@ class LiveStates:
         # A stored state newer than that was written before its step's outcome was committed, and the
         # server stopped in between: the step runs again, so restoring that state would apply it twice.
         self._ceiling: dict[str, int] = {}
+        self.prefetcher = Prefetcher(self._locate, prefetch_bytes) if prefetch_bytes > 0 else None
 
     def path(self, model_id: str) -> str:
         """The model's newest written slot as far as this process knows (else the main one)."""
@@ -117,6 +125,8 @@ class LiveStates:
             self._lineage[model_id], self._lineage_kind[model_id] = seq_id, started_by
         self._expected[model_id] = seq_id
         self._ceiling.pop(model_id, None)  # the model went on from a state the database agrees with
+        if self.prefetcher is not None:  # its stored state changes: no copy read before may be used
+            self.prefetcher.discard(model_id)
         extra = {"seq_id": seq_id, "lineage_seq": self._lineage.get(model_id),
                  "lineage_kind": self._lineage_kind.get(model_id)}
         if resets:
@@ -144,6 +154,7 @@ class LiveStates:
     def restore(self, model_id: str) -> Restored | None:
         """Load the model's newest stored state that verifies into the engine (None: it has none, and
         this process never wrote one). LiveStateError if none of its stored states can be used."""
+        ready = self.prefetcher.take(model_id) if self.prefetcher is not None else None
         self.writer.flush(model_id)
         slots = read_slots(self.live_dir, model_id)
         expected = self._expected.get(model_id, -1)
@@ -158,8 +169,9 @@ class LiveStates:
                 problems.append(f"{slot.describe()}: it is ahead of the database (applied up to seq_id "
                                 f"{ceiling}): its step's outcome was never stored, so the step runs again")
                 continue
-            try:
-                self.engine.load_state(model_id, slot.path)  # verifies the SHA-256
+            read = ready is not None and ready.matches(slot)
+            try:  # a copy read ahead was verified against this very manifest; the store's is verified now
+                self.engine.load_state(model_id, slot.path, read=(ready.manifest, ready.tensors) if read else None)
             except CheckpointError as e:
                 problems.append(f"{slot.describe()}: {e}")
                 continue
@@ -170,7 +182,7 @@ class LiveStates:
             self._newest[model_id] = slot
             self._lineage[model_id] = slot.lineage
             self._lineage_kind[model_id] = slot.manifest.get("extra", {}).get("lineage_kind")
-            return Restored(slot.seq, expected, problems)
+            return Restored(slot.seq, expected, problems, prefetched=read)
         recreated = self._recreate(model_id, slots, ceiling)
         if recreated is not None:
             problems.append(f"made again from its create_model at seq_id {recreated}: the requests after it replay")
@@ -194,6 +206,20 @@ class LiveStates:
         self._lineage[model_id], self._lineage_kind[model_id] = seq, "create_model"
         self._recreated[model_id] = seq
         return seq
+
+    def prefetch(self, model_ids: list[str]) -> None:
+        """Read these models' stored states ahead, on a background thread, for their next `restore`."""
+        if self.prefetcher is not None:
+            self.prefetcher.want(model_ids)
+
+    def _locate(self, model_id: str) -> tuple[Slot, int] | None:
+        """(On the prefetch thread.) The slot `restore` would load first, and its size; None for a model in memory
+        or with no stored state. A write of it still waiting is waited for: its slot is the one to read."""
+        if model_id in self.engine.adapters:
+            return None
+        self.writer.flush(model_id)
+        usable = candidates(read_slots(self.live_dir, model_id), [])
+        return (usable[0], store.size(usable[0].path)) if usable else None
 
     def restart_from(self, model_id: str, seq_id: int) -> None:
         """The scheduler replays the model's requests after `seq_id` onto its restored state now."""
@@ -259,6 +285,8 @@ class LiveStates:
         state should reflect is kept: a reload must reach it."""
         self._unwritten.pop(model_id, None)
         self._captured_at.pop(model_id, None)
+        if self.prefetcher is not None:
+            self.prefetcher.discard(model_id)
 
     def close(self) -> None:
         """Capture every state not captured yet and finish writing them all."""
@@ -267,6 +295,8 @@ class LiveStates:
             if self._timer is not None:
                 self._timer.cancel()
             run_on(self._compute, lambda: self._capture_due(math.inf), work="trainer")
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.writer.close()
 
     def _capture_due(self, now: float, only: str | None = None) -> float:

@@ -28,14 +28,14 @@ log = logging.getLogger(__name__)
 
 def _serve(conn, model_path: str, max_rank: int, live_dir: str, max_resident: int, budget: tuple[int | None, float],
            state_write_interval: float, min_shared_prefix: int, keep_glibc_malloc_defaults: bool,
-           store_cache: str) -> None:
+           store_cache: str, prefetch_bytes: int | None) -> None:
     from workers.trainer.engine import TrainerEngine
 
     store.use_cache_dir(store_cache)  # the parent's: a spawned child starts with the default
     engine = TrainerEngine(model_path, max_rank=max_rank, min_shared_prefix=min_shared_prefix,
                            keep_glibc_malloc_defaults=keep_glibc_malloc_defaults)
     executor = InProcessExecutor(engine, live_dir, max_resident, state_write_interval,
-                                 memory_budget=memory_budget(*budget, engine.device))
+                                 memory_budget=memory_budget(*budget, engine.device), prefetch_bytes=prefetch_bytes)
     conn.send(("ready", None))
     while True:
         try:
@@ -58,16 +58,17 @@ class ProcessExecutor:
     def __init__(self, model_path: Path, max_rank: int, live_dir: str | Path, start_timeout: float = 300,
                  max_resident: int = 0, memory_budget: tuple[int | None, float] = (0, 0.0),
                  state_write_interval: float = 0.0, min_shared_prefix: int = MIN_SHARED_TOKENS,
-                 keep_glibc_malloc_defaults: bool = False) -> None:
+                 keep_glibc_malloc_defaults: bool = False, prefetch_bytes: int | None = None) -> None:
         """memory_budget: (bytes, or None for a fraction of the device's memory; that fraction), worked out
-        in the child, which knows its device (workers/trainer/residency.py)."""
+        in the child, which knows its device (workers/trainer/residency.py); prefetch_bytes: InProcessExecutor's."""
         self._args = (str(model_path), max_rank, str(live_dir), max_resident, memory_budget, state_write_interval,
-                      min_shared_prefix, keep_glibc_malloc_defaults, str(store.cache_dir()))
+                      min_shared_prefix, keep_glibc_malloc_defaults, str(store.cache_dir()), prefetch_bytes)
         self._start_timeout = start_timeout
         self._lock = threading.Lock()
         self._held: set[str] = set()  # models the current child has run
         self._lost: set[str] = set()  # models a dead child held
         self._residency = ResidencyStats.empty()
+        self._hints: dict[str, None] = {}  # prefetch hints not yet sent to the child (it is busy with a cycle)
         self._start()
 
     def _start(self) -> None:
@@ -104,6 +105,11 @@ class ProcessExecutor:
     def trainer_memory(self) -> dict[str, ResidencyStats]:
         return {"engine process": self._residency}
 
+    def prefetch(self, model_ids: list[str]) -> None:
+        """Kept, and sent to the child just before the next cycle, which it then overlaps (the pipe is the
+        running cycle's until it answers)."""
+        self._hints.update(dict.fromkeys(model_ids))
+
     def place(self, model_ids: set[str]) -> set[str]:
         """Of these models, those a dead engine process held, and those the child restored from an older
         stored state than they reached (the newest failed its integrity check): their work since their
@@ -119,7 +125,11 @@ class ProcessExecutor:
             return moved | behind
 
     def run_cycle(self, cycle: Cycle, jobs: dict[str, Job]) -> dict[str, Outcome]:
+        hints, self._hints = self._hints, {}
+        running = {q.model_id for q in cycle.all()}
         try:
+            if hints.keys() - running:  # a one-way hint: read while this cycle computes
+                self._call("prefetch", [m for m in hints if m not in running])
             outcomes = self._call("run_cycle", cycle, jobs)
         except EngineProcessLost as e:
             return {q.id: Outcome.failed(str(e), "server") for q in cycle.all()}

@@ -55,6 +55,8 @@ class Residency:
         self.page_ins = 0
         self.page_in_seconds = 0.0
         self.page_outs = 0
+        self.prefetch_hits = 0  # page-ins served from a state read ahead (workers/trainer/prefetch.py)
+        self.prefetch_misses = 0  # page-ins that read the store on the cycle's path
         self._recent: deque[tuple[float, float]] = deque()  # (monotonic time, seconds) of recent page-ins
 
     @property
@@ -112,10 +114,14 @@ class Residency:
         self._paged[model_id] = nbytes
         self.page_outs += 1
 
-    def paged_in(self, model_id: str, seconds: float) -> None:
+    def paged_in(self, model_id: str, seconds: float, prefetched: bool = False) -> None:
         if self._paged.pop(model_id, None) is not None:
             self.page_ins += 1
             self.page_in_seconds += seconds
+            if prefetched:
+                self.prefetch_hits += 1
+            else:
+                self.prefetch_misses += 1
             self._recent.append((time.monotonic(), seconds))
         self.used(model_id)
 
@@ -124,13 +130,14 @@ class Residency:
         self._used.pop(model_id, None)
         self._paged.pop(model_id, None)
 
-    def stats(self, resident: dict[str, int]) -> ResidencyStats:
+    def stats(self, resident: dict[str, int], prefetched_bytes: int = 0) -> ResidencyStats:
         while self._recent and self._recent[0][0] < time.monotonic() - WINDOW_SECONDS:
             self._recent.popleft()
         recent = list(self._recent)  # (a copy: another thread may page in meanwhile)
         return ResidencyStats(self.budget_bytes, len(resident), sum(resident.values()), len(self._paged),
                               sum(self._paged.values()), self.page_ins, self.page_in_seconds, self.page_outs,
-                              len(recent), sum(seconds for _, seconds in recent))
+                              len(recent), sum(seconds for _, seconds in recent), self.prefetch_hits,
+                              self.prefetch_misses, prefetched_bytes)
 
 
 class ResidencyMetrics(Collector):
@@ -150,6 +157,8 @@ class ResidencyMetrics(Collector):
              + "in the trainers' memory", "resident_bytes"),
             ("loraplex_trainer_paged_runs", "Training runs paged out to the store and not used since", "paged_runs"),
             ("loraplex_trainer_paged_bytes", "Bytes of those runs' state, as it left memory", "paged_bytes"),
+            ("loraplex_trainer_prefetched_bytes", "Bytes of paged-out runs' state read ahead of their cycle, "
+             + "held beside the budget", "prefetched_bytes"),
         ):
             yield GaugeMetricFamily(name, doc, value=sum(getattr(s, field) for s in stats))
         yield SummaryMetricFamily("loraplex_trainer_page_in_seconds", "Reading a paged-out run's state back in",
@@ -157,6 +166,10 @@ class ResidencyMetrics(Collector):
                                   sum_value=sum(s.page_in_seconds for s in stats))
         yield CounterMetricFamily("loraplex_trainer_page_outs", "Runs paged out of a trainer's memory to the store",
                                   value=sum(s.page_outs for s in stats))
+        yield CounterMetricFamily("loraplex_trainer_prefetch_hits", "Page-ins served from a state read ahead",
+                                  value=sum(s.prefetch_hits for s in stats))
+        yield CounterMetricFamily("loraplex_trainer_prefetch_misses", "Page-ins that read the store on the cycle's path",
+                                  value=sum(s.prefetch_misses for s in stats))
 
 
 METRICS = ResidencyMetrics()
