@@ -1,6 +1,6 @@
-"""The dashboard's view of a run's RL rollouts (docs/dashboard.md): the rollout store's samples of the
-run's snapshots grouped per step and prompt, and one trajectory's tokens with the sampler's and the
-trainer's logprob of each."""
+"""The dashboard's view of a run's RL rollouts (docs/dashboard.md): its RL groups per step and prompt
+(the rollout store's, and those inferred from its SDK samples and trained datums), and one
+trajectory's tokens with the sampler's and the trainer's logprob of each."""
 
 from __future__ import annotations
 

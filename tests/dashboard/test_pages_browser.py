@@ -1,6 +1,7 @@
 """The dashboard's pages in a real browser: Debian's headless Chromium driven by Playwright, against
 an embedded server (tiny model, vLLM sampler) on which two tenants trained a few real steps through
-the SDK, one of them a small RL loop through the inference API and the rollout store.
+the SDK, one of them a small RL loop through the inference API and the rollout store, and a third ran
+tinker-cookbook's math_rl recipe unchanged through the official tinker SDK.
 
 LORAPLEX_DASHBOARD_SCREENSHOTS=1 also writes the docs' screenshots (docs/dashboard/*.png) from
 the pages these tests open; without it the tests write nothing. Every page a test opens must
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +25,7 @@ from PIL import Image
 from playwright.sync_api import Page, expect, sync_playwright
 
 from db.operator_keys import issue_operator_key
+from tests.ecosystem.cookbook_runs import RENDERER, final_state, run_recipe
 from tests.servers import running_server
 
 pytestmark = pytest.mark.vllm  # the module's server runs the vLLM sampler (the RL run samples through it)
@@ -33,6 +37,7 @@ GROUPS, GROUP_SIZE, MAX_TOKENS = 2, 4, 8  # per RL step
 # A loss name the server refuses, quoting it in its error: the page must show it as text, run nothing.
 HOSTILE_LOSS = "<script>window.injected=1</script><img src=x onerror=window.injected=1>"
 RL_NAME = "arithmetic RL"  # what alice called her RL run (its user_metadata)
+COOKBOOK_STEPS, COOKBOOK_GROUPS, COOKBOOK_GROUP_SIZE = 3, 4, 4  # math_rl's max_steps, groups_per_batch, group_size
 
 
 def datum(tokens: list[int]) -> types.Datum:
@@ -356,3 +361,55 @@ def test_client_series_keep_to_charts_of_their_own_and_colours_keep_one_meaning(
     assert colour("chart-group-reward", "best") == colour("chart-group-outcomes", "all good") == good
     assert colour("chart-group-reward", "worst") == colour("chart-group-outcomes", "all bad") == bad
     assert colour("chart-group-outcomes", "mixed") == mixed
+
+
+@pytest.fixture(scope="module")
+def cookbook_run(server, tmp_path_factory):
+    """carol: tinker-cookbook's math_rl recipe (arithmetic env, its default loss) run unchanged against the
+    server, then `loraplex metrics follow --once` sending the recipe's metrics.jsonl to its run."""
+    key = server.new_tenant("carol")
+    log_path = tmp_path_factory.mktemp("cookbook") / "math_rl"
+    rows = run_recipe("math_rl", server.base_url, key, log_path, 600, model_name="loraplex/tiny",
+                      renderer_name=RENDERER, env="arithmetic", groups_per_batch=COOKBOOK_GROUPS,
+                      group_size=COOKBOOK_GROUP_SIZE, max_tokens=16, lora_rank=8, learning_rate=1e-2,
+                      max_steps=COOKBOOK_STEPS)
+    followed = subprocess.run([str(Path(sys.executable).parent / "loraplex"), "metrics", "follow", str(log_path),
+                               "--once", "--base-url", server.base_url, "--api-key", key],
+                              capture_output=True, text=True, timeout=120)
+    assert followed.returncode == 0, followed.stderr
+    run_id = final_state(log_path).removeprefix("tinker://").split("/", 1)[0]
+    return SimpleNamespace(key=key, run_id=run_id, rows={row["step"]: row for row in rows})
+
+
+def test_a_cookbook_math_rl_run_shows_its_groups_and_rewards(server, world, cookbook_run, open_page):
+    """No rollout store, no log_metrics: the groups are inferred from the datums' advantages (the recipe
+    samples each member alone), the rewards are the recipe's own metrics.jsonl."""
+    page = open_page(cookbook_run.key)
+    page.goto(f"{server.base_url}/dashboard/runs/{cookbook_run.run_id}")
+    for chart in ("chart-client-env", "chart-group-outcomes", "chart-output-length"):
+        expect(page.locator(f"#{chart}")).to_have_attribute("data-points", str(COOKBOOK_STEPS))
+    reward = page.locator("#chart-client-env .u-legend .u-label", has_text=re.compile("^env/all/reward/total$"))
+    expect(reward).to_have_count(1)
+    rows = page.locator("#groups tbody tr")
+    expect(rows).to_have_count(COOKBOOK_STEPS * COOKBOOK_GROUPS)
+    cells = rows.evaluate_all("rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+    assert {row[0] for row in cells} == {str(s) for s in range(1, COOKBOOK_STEPS + 1)}  # optimizer steps
+    # the prompt as text, shown by its end: the recipe's question after its fixed example (What is 4 + 5?)
+    questions = [re.findall(r"What is \d+ \+ \d+\?", row[1]) for row in cells]
+    assert all(found and found[-1] != "What is 4 + 5?" for found in questions), questions
+    for step in range(1, COOKBOOK_STEPS + 1):  # a step's groups: each a question of its own
+        asked = [found[-1] for found, row in zip(questions, cells) if row[0] == str(step)]
+        assert len(set(asked)) == COOKBOOK_GROUPS
+    assert {row[2] for row in cells} <= {"uniform", "mixed"} and {row[3] for row in cells} == {str(COOKBOOK_GROUP_SIZE)}
+    assert {row[4] for row in cells} == {"–"}  # the SDK sends no rewards: none is made up
+    # the outcomes agree with the recipe's own count of its groups (its iteration i fed step i + 1)
+    answer = page.evaluate(f"fetch('/dashboard/api/runs/{cookbook_run.run_id}/rl_groups').then(r => r.json())")
+    for step in answer["steps"]:
+        logged = cookbook_run.rows[step["step"] - 1]
+        assert step["fractions"]["mixed"] == pytest.approx(logged["env/all/by_group/frac_mixed"])
+        assert step["fractions"]["uniform"] == pytest.approx(logged["env/all/by_group/frac_all_good"]
+                                                             + logged["env/all/by_group/frac_all_bad"])
+    screenshot(page, "cookbook_run")
+    # another tenant sees neither the run nor its groups
+    bob = open_page(world.keys.bob)
+    assert bob.request.get(f"{server.base_url}/dashboard/api/runs/{cookbook_run.run_id}/rl_groups").status == 404

@@ -6,9 +6,9 @@
 
 const Charts = (() => {
   // Okabe-Ito: told apart with every common colour-vision deficiency. Series take them in order;
-  // MEANING gives good / bad / mixed / central one colour each, used for nothing else on a chart.
+  // MEANING gives good / bad / mixed / uniform / central one colour each, used for nothing else on a chart.
   const PALETTE = ["#0072B2", "#E69F00", "#56B4E9", "#CC79A7", "#F0E442", "#000000", "#009E73", "#D55E00"];
-  const MEANING = {good: "#009E73", bad: "#D55E00", mixed: "#E69F00", central: "#0072B2"};
+  const MEANING = {good: "#009E73", bad: "#D55E00", mixed: "#E69F00", uniform: "#CC79A7", central: "#0072B2"};
   const HEIGHT = 190;
   const STEP_INCREMENTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
   const DECADES_FOR_LOG = 3;

@@ -101,12 +101,12 @@
 
   // RL groups: per-step charts and the latest steps' groups with links to their trajectories.
   const groupNode = document.getElementById("group-charts");
-  const {good, bad, mixed, central} = Charts.MEANING;  // one meaning per colour, on both charts
+  const {good, bad, mixed, uniform, central} = Charts.MEANING;  // one meaning per colour, on both charts
   const rewardChart = new Charts.LineChart(groupNode, {id: "chart-group-reward", title: "Reward of sampled groups",
     series: [{label: "best", color: good}, {label: "mean", color: central}, {label: "worst", color: bad}]});
   const outcomeChart = new Charts.LineChart(groupNode, {id: "chart-group-outcomes", title: "Groups by outcome",
     unit: "fraction", series: [{label: "all good", color: good}, {label: "all bad", color: bad},
-                               {label: "mixed", color: mixed}]});
+                               {label: "mixed", color: mixed}, {label: "uniform", color: uniform}]});
   const lengthChart = new Charts.LineChart(groupNode, {id: "chart-output-length", title: "Average output length",
     unit: "tokens", series: [{label: "tokens"}]});
   const groupSteps = new Map();  // step -> the API's step entry
@@ -115,19 +115,24 @@
   function groupRows() {
     const steps = [...groupSteps.keys()].sort((a, b) => b - a).slice(0, 5);
     return steps.flatMap((step) => groupSteps.get(step).groups.map((group) => {
-      const sessions = [...new Set(group.members.map((m) => m.session_id))];
+      // members the service inferred (SDK samples, trained datums) have no trajectory to link to
+      const sessions = [...new Set(group.members.map((m) => m.session_id).filter(Boolean))];
       const links = sessions.map((session, i) => el("a", {
         className: "tag", title: session, href: `${Dash.runUrl(runId)}/trajectories/${encodeURIComponent(session)}`},
         `#${i + 1}`));
       const reward = group.reward || {};
+      const advantage = group.advantage || {};
       const prompt = group.prompt_text.replace(/\s+/g, " ").trim();
       return el("tr", {},
         el("td", {className: "num"}, step),
-        el("td", {className: "prompt-text", title: group.prompt_text}, prompt.length > 90 ? `${prompt.slice(0, 90)}…` : prompt),
+        // its end: where a chat template's shared system turn and examples give way to the question
+        el("td", {className: "prompt-text", title: group.prompt_text},
+          prompt.length > 90 ? `…${prompt.slice(-90)}` : prompt),
         el("td", {}, group.outcome.replace("_", " ")),
         el("td", {className: "num"}, group.size), el("td", {className: "num"}, number(reward.best)),
         el("td", {className: "num"}, number(reward.mean)), el("td", {className: "num"}, number(reward.worst)),
-        el("td", {className: "num"}, number(group.mean_output_tokens)), el("td", {}, links));
+        el("td", {className: "num"}, number(advantage.best)), el("td", {className: "num"}, number(advantage.worst)),
+        el("td", {className: "num"}, number(group.mean_output_tokens)), el("td", {}, links.length ? links : "–"));
     }));
   }
 
@@ -142,7 +147,10 @@
     const steps = [...groupSteps.keys()].sort((a, b) => a - b);
     const column = (pick) => steps.map((s) => pick(groupSteps.get(s)) ?? null);
     rewardChart.setData(steps, ["best", "mean", "worst"].map((k) => column((e) => e.reward && e.reward[k])));
-    outcomeChart.setData(steps, ["all_good", "all_bad", "mixed"].map((k) => column((e) => e.reward && e.fractions[k])));
+    // fractions of the groups whose outcome is known: by rewards, or by advantages alone (uniform / mixed)
+    const known = (e) => e.groups.some((g) => g.outcome !== "unrewarded");
+    outcomeChart.setData(steps, ["all_good", "all_bad", "mixed", "uniform"]
+      .map((k) => column((e) => (known(e) ? e.fractions[k] : null))));
     lengthChart.setData(steps, [column((e) => e.mean_output_tokens)]);
     Dash.fillTable(document.querySelector("#groups tbody"), groupRows(), document.getElementById("no-groups"));
   }
