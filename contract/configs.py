@@ -21,6 +21,10 @@ DEFAULT_LORA_ALPHA = 32.0
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 UNEMBED_MODULES = ("lm_head",)
+# A mixture-of-experts block's fused expert parameters ([experts, out, in], e.g. Qwen3-MoE's
+# mlp.experts.gate_up_proj), in the order transformers defines them: train_mlp covers them too,
+# one A and B per expert (workers/trainer/moe_experts.py)
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 def target_module_names(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:

@@ -26,8 +26,17 @@ class Architecture:
     # whether the sampler (vLLM) applies a LoRA on the unembedding (lm_head): Gemma 2 ties it to the
     # embedding and vLLM gives it no LoRA slot, so train_unembed is refused there rather than dropped
     unembed_lora: bool = True
+    # why the sampler cannot serve models of this architecture ("" where it can): sampling is then refused
+    # with this reason (a 400 at create_sampling_session and on every sample), never attempted
+    no_sampling: str = ""
 
 
+# vLLM 0.32's CPU build runs a LoRA-enabled mixture-of-experts layer only through its Triton MoE kernels,
+# which fail there ("module 'triton.language' has no attribute 'float32'"); without LoRA it has a CPU
+# path, but Loraplex's sampler always runs with LoRA (the base model through an all-zero adapter)
+MOE_SAMPLING = ("sampling is not available for mixture-of-experts base models: the sampler (vLLM's CPU build) "
+                "has no LoRA for expert layers; train, save and export the adapter (PEFT, loadable in peft) "
+                "instead (docs/models.md)")
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "Llama 2/3, SmolLM2", "loraplex/tiny", "the reference layout"),
     Architecture("qwen2", "Qwen2, Qwen2.5", "loraplex/tiny-qwen2", "q/k/v biases"),
@@ -37,6 +46,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("gemma2", "Gemma 2", "loraplex/tiny-gemma2",
                  "attention and logit soft-capping, (1 + w) norms, tied embeddings, sliding and global layers",
                  unembed_lora=False),
+    Architecture("qwen3_moe", "Qwen3-MoE", "loraplex/tiny-qwen3-moe",
+                 "mixture of experts: fused 3-D expert parameters (LoRA per adapter and expert), a frozen top-k router",
+                 no_sampling=MOE_SAMPLING),
 )}
 
 
@@ -53,6 +65,12 @@ def rope_types(config) -> set[str]:
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     found = [parameters] if "rope_type" in parameters or "type" in parameters else list(parameters.values())
     return {p.get("rope_type", p.get("type", "default")) for p in found if isinstance(p, dict)} or {"default"}
+
+
+def sampling_refusal(model_type: str) -> str:
+    """Why models of this architecture cannot be sampled ("" where they can)."""
+    architecture = ARCHITECTURES.get(model_type)
+    return architecture.no_sampling if architecture is not None else ""
 
 
 def check_lora_config(model_type: str, config: LoraConfig) -> None:

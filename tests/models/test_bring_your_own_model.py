@@ -96,6 +96,16 @@ def test_an_architecture_not_proven_is_refused_naming_it_and_the_supported_ones(
     assert f"is a {architecture}; Loraplex trains {', '.join(SUPPORTED_ARCHITECTURES)} models" in str(refused.value)
 
 
+def test_a_moe_model_with_dense_mlp_layers_is_refused_by_name(tmp_path):
+    """Its dense layers' gate_proj/up_proj beside fused experts would not load right from the PEFT export."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, num_attention_heads=2,
+                   mlp_only_layers=[0]).save_pretrained(tmp_path)
+    with pytest.raises(ModelUnavailable, match="mixes dense MLP layers .* with sparse ones"):
+        model_info(str(tmp_path))
+
+
 @pytest.mark.slow  # two server starts in processes of their own
 def test_the_newcomer_command_serves_a_cached_hub_model_by_its_id(tmp_path, tiny_model_path):
     """`python -m service serve --base-model ORG/NAME` with the model in the Hugging Face cache: the

@@ -29,6 +29,7 @@ NAMES = {
     "loraplex/tiny-mistral": ["tiny-mistral"],
     "loraplex/tiny-phi3": ["tiny-phi3"],
     "loraplex/tiny-gemma2": ["tiny-gemma2"],
+    "loraplex/tiny-qwen3-moe": ["tiny-qwen3-moe"],
     "HuggingFaceTB/SmolLM2-135M-Instruct": ["SmolLM2-135M-Instruct", "smollm2"],
 }
 

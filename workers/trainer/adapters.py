@@ -23,12 +23,20 @@ from contract.configs import LoraConfig
 
 
 class LoraWeights(nn.Module):
-    """The A and B matrices of one adapter on one base Linear."""
+    """The A and B matrices of one adapter on one base Linear (or, one per expert, on a fused experts
+    parameter: moe_experts.py)."""
 
     def __init__(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         super().__init__()
-        self.lora_a = nn.Parameter(lora_a)  # [rank, in_features]
-        self.lora_b = nn.Parameter(lora_b)  # [out_features, rank]
+        self.lora_a = nn.Parameter(lora_a)  # [rank, in_features]; experts: [experts, rank, in_features]
+        self.lora_b = nn.Parameter(lora_b)  # [out_features, rank]; experts: [experts, out_features, rank]
+
+
+def lora_shapes(layer, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of A and B on a base Linear, or on an expert parameter (moe_experts.ExpertProjection)."""
+    if hasattr(layer, "lora_shapes"):
+        return layer.lora_shapes(rank)
+    return (rank, layer.in_features), (layer.out_features, rank)
 
 
 # each optimizer's state tensors, every one shaped like flat_weights (AdamW's also has a "step" scalar)
@@ -88,11 +96,14 @@ class Adapter:
         for path, layer in base_layers.items():
             if path.rsplit(".", 1)[-1] not in targets:
                 continue
-            lora_a = torch.empty(config.rank, layer.in_features, dtype=dtype)
+            a_shape, b_shape = lora_shapes(layer, config.rank)
+            # drawn as peft draws it: one [rows, in] matrix (an expert parameter's A's stacked, as peft's
+            # ParamWrapper holds them), so kaiming's fan-in is `in` for every expert's A too
+            lora_a = torch.empty(math.prod(a_shape[:-1]), a_shape[-1], dtype=dtype)
             nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=gen)
-            lora_b = torch.zeros(layer.out_features, config.rank, dtype=dtype)
+            lora_b = torch.zeros(b_shape, dtype=dtype)
             device = layer.weight.device
-            weights[path] = LoraWeights(lora_a.to(device), lora_b.to(device))
+            weights[path] = LoraWeights(lora_a.view(a_shape).to(device), lora_b.to(device))
         return cls(adapter_id, config, weights, optimizer)
 
     def parameters(self) -> tuple[nn.Parameter, ...]:

@@ -32,8 +32,8 @@ from storage.checkpoint_files import (
     sha256_file,
     write_snapshot_manifest,
 )
-from storage.peft_export import peft_config, read_verified_state
-from workers.trainer.adapters import OPTIMIZER_STATE, Adapter, LoraWeights
+from storage.peft_export import expert_target_parameters, peft_config, peft_weights, read_verified_state
+from workers.trainer.adapters import OPTIMIZER_STATE, Adapter, LoraWeights, lora_shapes
 
 # --- PEFT folder (sampler weights) -------------------------------------------------------------
 
@@ -43,14 +43,12 @@ def save_peft_adapter(
 ) -> str | Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is;
     `metadata` goes to `loraplex.json` beside them (e.g. the policy version the snapshot is)."""
-    tensors = {}
-    for path_in_model, w in adapter.weights.items():
-        prefix = f"base_model.model.{path_in_model}"
-        # copies: the matrices are views of one flat tensor, and safetensors refuses shared storage
-        tensors[f"{prefix}.lora_A.weight"] = w.lora_a.detach().to("cpu", copy=True)
-        tensors[f"{prefix}.lora_B.weight"] = w.lora_b.detach().to("cpu", copy=True)
+    # copies: the matrices are views of one flat tensor, and safetensors refuses shared storage
+    tensors = {name: t.clone() for name, t in peft_weights(
+        {p: (w.lora_a.detach().to("cpu"), w.lora_b.detach().to("cpu")) for p, w in adapter.weights.items()}).items()}
+    experts = expert_target_parameters(p for p, w in adapter.weights.items() if w.lora_a.dim() == 3)
     with store.writing(path) as tmp:
-        peft_config(adapter.config, base_model_path).save_pretrained(tmp)
+        peft_config(adapter.config, base_model_path, experts).save_pretrained(tmp)
         save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
         if metadata is not None:
             (tmp / SNAPSHOT_METADATA).write_text(json.dumps(metadata))
@@ -153,7 +151,7 @@ def load_training_state(
         if a is None:
             continue
         layer = base_layers[module_path]
-        if b is None or a.shape != (config.rank, layer.in_features) or b.shape != (layer.out_features, config.rank):
+        if b is None or (tuple(a.shape), tuple(b.shape)) != lora_shapes(layer, config.rank):
             raise CheckpointError(f"the weights of {module_path} do not fit this base model")
         device = layer.weight.device
         weights[module_path] = LoraWeights(a.to(device, dtype), b.to(device, dtype))

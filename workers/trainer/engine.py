@@ -32,6 +32,7 @@ from workers.trainer import checkpoints
 from workers.trainer.adapters import OPTIMIZER_STATE, Adapter
 from workers.trainer.batch import EngineOutput, PackedBatch, PreparedRequest, pack, prepare_request, split_into_passes
 from workers.trainer.lora_layers import Router, RoutingPlan, wrap_linear_layers
+from workers.trainer.moe_experts import wrap_moe_experts
 from workers.trainer.dimuon import dimuon_step
 from workers.trainer.optimizer import adamw_step
 from workers.trainer.packed_attention import ATTN_IMPLEMENTATION, LAYOUT_KWARG
@@ -86,6 +87,8 @@ class TrainerEngine:
         self.model.requires_grad_(False)
         self.router = Router(sgmv_backend)
         self.base_layers = wrap_linear_layers(self.model, self.router)
+        # a sparse block's fused expert parameters, after the Linear layers (a dense model's layout is unchanged)
+        self.base_layers.update(wrap_moe_experts(self.model, self.router))
         self.parallel_min_macs = parallel_min_macs
         self._base_parameters = sum(p.numel() for p in self.model.parameters())
         self.vocab_size = self.model.get_input_embeddings().num_embeddings

@@ -13,6 +13,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
+from storage.peft_export import expert_target_parameters, peft_target_modules, peft_weights
 from workers.trainer.adapters import Adapter
 
 
@@ -22,21 +23,27 @@ def peft_model_like(adapter: Adapter, model_path, dtype=torch.float32):
     soft-capping; SDPA drops it)."""
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
     cfg = adapter.config
+    # a mixture of experts' fused expert parameters: peft's LoRA on nn.Parameters (its ParamWrapper)
+    experts = expert_target_parameters(path for path, w in adapter.weights.items() if w.lora_a.dim() == 3)
     model = get_peft_model(
         base,
-        PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=list(cfg.target_modules())),
+        PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0,
+                       target_modules=peft_target_modules(cfg, bool(experts)),
+                       **({"target_parameters": experts} if experts else {})),
     )
     model.eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for path, w in adapter.weights.items():
-            params[peft_param_name(path, "A")].copy_(w.lora_a)
-            params[peft_param_name(path, "B")].copy_(w.lora_b)
+        for name, tensor in peft_named(adapter, lambda p: p).items():
+            params[name].copy_(tensor)
     return model
 
 
-def peft_param_name(module_path: str, which: str) -> str:
-    return f"base_model.model.{module_path}.lora_{which}.default.weight"
+def peft_named(adapter: Adapter, of) -> dict[str, torch.Tensor]:
+    """`of(parameter)` for each A and B of `adapter`, under its peft model's parameter names and in peft's
+    layout (an expert parameter's A's and B's side by side: storage/peft_export.peft_weights)."""
+    pairs = {path: (of(w.lora_a), of(w.lora_b)) for path, w in adapter.weights.items()}
+    return {key.removesuffix(".weight") + ".default.weight": tensor for key, tensor in peft_weights(pairs).items()}
 
 
 def target_logprobs(model, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -80,14 +80,25 @@ def test_a_lora_the_sampler_cannot_apply_is_refused_by_name(arch, model_path):
 
 
 def test_lora_covers_every_module_the_switches_name(arch, model_path):
-    """Attention and MLP switches land on every projection of every layer, fused or not (Phi-3)."""
+    """Attention and MLP switches land on every projection of every layer, fused or not (Phi-3), and on
+    every expert of a mixture of experts (its fused 3-D parameters, one A and B per expert), never on the
+    router."""
     engine = TrainerEngine(model_path)
     adapter = engine.create_adapter("a", LoraConfig(rank=2, train_unembed=False))
     layers = engine.model.config.num_hidden_layers
     projections = {name.removesuffix(".base") for name, module in engine.model.named_modules()
                    if isinstance(module, torch.nn.Linear) and ".layers." in name}  # (wrapped: <path>.base)
-    assert set(adapter.weights) == projections
-    assert len(projections) % layers == 0 and len(projections) // layers == (4 if arch.model_type == "phi3" else 7)
+    experts = {f"{name.removesuffix('.base')}.{p}": getattr(module, p) for name, module in engine.model.named_modules()
+               if name.endswith("experts.base") for p in ("gate_up_proj", "down_proj")}
+    assert set(adapter.weights) == projections | set(experts)
+    per_layer = {"phi3": 4, "qwen3_moe": 6}.get(arch.model_type, 7)
+    assert len(adapter.weights) == per_layer * layers
+    assert not any(".gate." in path or path.endswith(".gate") for path in adapter.weights)  # the router: frozen
+    for path, weight in experts.items():  # [experts, out, in] -> A [experts, r, in], B [experts, out, r]
+        assert adapter.weights[path].lora_a.shape == (weight.shape[0], 2, weight.shape[2])
+        assert adapter.weights[path].lora_b.shape == (weight.shape[0], weight.shape[1], 2)
+    mlp_off = engine.create_adapter("b", LoraConfig(rank=2, train_mlp=False, train_unembed=False))
+    assert not set(mlp_off.weights) & set(experts)
 
 
 ROPE = {  # rope_parameters of real configs (Llama 3.1's llama3, YaRN, linear, dynamic NTK), on tiny Llamas

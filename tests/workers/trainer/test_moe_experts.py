@@ -1,0 +1,155 @@
+"""LoRA on a mixture of experts (workers/trainer/moe_experts.py), on `loraplex/tiny-qwen3-moe`: the
+(adapter, expert) segment layout equals its plain reference; two tenants in one pass get the bits each
+gets alone, though every expert's row count then differs; the PEFT export (peft's target_parameters)
+loads in peft with the trainer's logprobs; a training state carries the expert weights; and sampling is
+refused by name, never attempted. (Logprobs, gradients and the AdamW step against peft, SFT and the
+drawn batch compositions: test_architectures.py's qwen3_moe row.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from loraplex.types import AdamParams
+
+from contract.configs import LoraConfig
+from contract.inputs import ForwardBackwardInput
+from models.architectures import MOE_SAMPLING
+from models.registry import model_info, resolve_model
+from tests.workers.trainer.peft_reference import random_datum, rel_err, target_logprobs
+from tests.workers.trainer.test_engine_parity import make_engine
+from workers.trainer.lora_layers import RoutingPlan
+from workers.trainer.moe_experts import MultiLoRAExperts, reference_experts, routed_experts
+
+MOE = "loraplex/tiny-qwen3-moe"
+ADAPTERS = {"a": LoraConfig(rank=4, alpha=16, seed=1, train_unembed=False),
+            "b": LoraConfig(rank=2, alpha=4, seed=2, train_attn=False, train_unembed=False)}
+ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def moe_path():
+    return resolve_model(MOE)
+
+
+def requests(vocab: int) -> dict[str, ForwardBackwardInput]:
+    gen = torch.Generator().manual_seed(5)
+    return {"a": ForwardBackwardInput("a", [random_datum("cross_entropy", n, gen, vocab) for n in (2, 1)]),
+            "b": ForwardBackwardInput("b", [random_datum("ppo", n, gen, vocab) for n in (40, 33)], "ppo")}
+
+
+def test_the_segment_layout_equals_its_plain_reference(moe_path):
+    engine = make_engine(moe_path, ADAPTERS)
+    experts = next(m for m in engine.model.modules() if isinstance(m, MultiLoRAExperts))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(23, engine.model.config.hidden_size, generator=gen)
+    _, weights, index = engine.model.model.layers[0].mlp.gate(x)
+    a, b = engine.adapter("a"), engine.adapter("b")
+    # rows 0-9 adapter a (two requests' pieces), 10-19 b, 20-22 no adapter
+    plan = RoutingPlan([(a, 0, 10), (b, 10, 20)], pieces=[((0, 4), (4, 10)), ((10, 20),)])
+    ours = routed_experts(x, index, weights, experts.base, plan, experts.paths)
+    loras = [(start, end, {p: (w.weights[p].lora_a, w.weights[p].lora_b) for p in experts.paths}, w.scale)
+             for w, start, end in plan.spans]
+    reference = reference_experts(x, index, weights, experts.base, loras, experts.paths)
+    assert rel_err(ours, reference) <= 1e-5
+    plain = reference_experts(x, index, weights, experts.base, [], experts.paths)
+    assert rel_err(ours[20:], plain[20:]) <= 1e-6 and rel_err(ours[:20], plain[:20]) > 1e-3  # LoRA only on spans
+    assert len(set(index.flatten().tolist())) == experts.base.num_experts  # every expert has rows
+
+
+def run(moe_path, names: list[str]):
+    """Fresh adapters (the same seeds, the same B), one forward_backward of `names`' requests, one step."""
+    engine = make_engine(moe_path, ADAPTERS)
+    reqs = requests(engine.vocab_size)
+    results = dict(zip(names, engine.forward_backward([reqs[n] for n in names])))
+    grads = {n: engine.adapter(n).flat_grads.clone() for n in names}
+    engine.optim_step([(n, ADAM) for n in names])
+    return {n: (results[n], grads[n], engine.adapter(n).flat_weights.clone()) for n in names}
+
+
+def test_two_tenants_in_one_pass_get_the_bits_each_gets_alone(moe_path):
+    """Alone, request a's 8 tokens give each expert a few rows (MKL's few-row kernels); beside b's 73,
+    tens. Logprobs, loss, gradients and post-AdamW weights must still be the same bits."""
+    together = run(moe_path, ["a", "b"])
+    for name in ("a", "b"):
+        alone = run(moe_path, [name])[name]
+        (r1, g1, w1), (r2, g2, w2) = alone, together[name]
+        assert r1.metrics["loss:sum"] == r2.metrics["loss:sum"]
+        for o1, o2 in zip(r1.loss_fn_outputs, r2.loss_fn_outputs):
+            assert torch.equal(o1["logprobs"], o2["logprobs"])
+        assert torch.equal(g1, g2) and torch.equal(w1, w2)
+        assert g1.abs().sum() > 0
+
+
+def test_the_peft_export_loads_in_peft_with_the_trainers_logprobs(moe_path, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from storage.peft_export import export_peft_from_state
+
+    engine = make_engine(moe_path, ADAPTERS)
+    reqs = requests(engine.vocab_size)
+    engine.forward_backward(list(reqs.values()))
+    engine.optim_step([(n, ADAM) for n in reqs])
+    for name, request in reqs.items():
+        snapshot = engine.save_sampler_weights(name, tmp_path / f"{name}-sampler")
+        state = engine.save_state(name, tmp_path / f"{name}-state")
+        exported = export_peft_from_state(state, tmp_path / f"{name}-exported", moe_path)
+        ours = engine.forward([request])[0].loss_fn_outputs
+        for folder in (snapshot, exported):
+            base = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32, attn_implementation="eager")
+            model = PeftModel.from_pretrained(base, folder).eval()
+            loaded = {n for n, _ in model.named_parameters() if "lora_" in n}
+            assert any(".experts." in n for n in loaded) and len(loaded) == 2 * len(engine.adapter(name).weights)
+            with torch.no_grad():
+                for datum, out in zip(request.data, ours):
+                    peft_lp = target_logprobs(model, datum.tokens, datum.loss_fn_inputs["target_tokens"])
+                    assert rel_err(out["logprobs"], peft_lp) <= 1e-5
+
+
+def test_a_training_state_carries_the_expert_weights(moe_path, tmp_path):
+    engine = make_engine(moe_path, ADAPTERS)
+    request = requests(engine.vocab_size)["a"]
+    engine.forward_backward([request])
+    engine.optim_step([("a", ADAM)])
+    engine.forward_backward([request])  # pending gradients too
+    path = engine.save_state("a", tmp_path / "state", with_gradients=True)
+    restored = make_engine(moe_path, {}).load_state("a", path)
+    original = engine.adapter("a")
+    assert restored.layout() == original.layout()
+    assert any(w.lora_a.dim() == 3 for w in restored.weights.values())
+    for kind in ("flat_weights", "flat_grads"):
+        assert torch.equal(getattr(restored, kind), getattr(original, kind))
+    for key, value in original.optimizer_state.items():
+        assert torch.equal(restored.optimizer_state[key], value)
+
+
+def test_sampling_on_a_moe_base_model_is_refused_by_name(tmp_path):
+    from api.app import create_app
+    from db.session import make_engine as db_engine
+    from db.session import make_session_factory, upgrade_to_head
+    from db.tenants import create_tenant
+    from messaging.notify import Notifier
+    from service.embedded import build_sampling
+    from service.settings import Settings
+
+    info = model_info(MOE)
+    settings = Settings(data_dir=tmp_path, base_model=MOE)
+    upgrade_to_head(settings.resolved_database_url)
+    sessions = make_session_factory(db_engine(settings.resolved_database_url))
+    sampling, unavailable = build_sampling(settings, info, sessions, Notifier())
+    assert sampling is None and unavailable == MOE_SAMPLING
+    app = create_app(settings=settings, sessions_factory=sessions, scheduler=SimpleNamespace(submit=lambda q: None),
+                     notifier=Notifier(), model_info=info, sampling_unavailable=unavailable)
+    with sessions() as s:
+        key = create_tenant(s, "moe")[1]
+    with TestClient(app, base_url="http://test", headers={"x-api-key": key}) as client:
+        session_id = client.post("/api/v1/create_session", json={}).json()["session_id"]
+        answer = client.post("/api/v1/create_sampling_session",
+                             json={"session_id": session_id, "sampling_session_seq_id": 0})
+        assert answer.status_code == 400 and "mixture-of-experts" in answer.text, answer.text
+        answer = client.post("/api/v1/asample", json={"prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]},
+                                                      "num_samples": 1, "sampling_params": {"max_tokens": 2}})
+        assert answer.status_code == 400 and "mixture-of-experts" in answer.text, answer.text
