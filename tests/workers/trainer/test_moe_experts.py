@@ -153,3 +153,19 @@ def test_sampling_on_a_moe_base_model_is_refused_by_name(tmp_path):
         answer = client.post("/api/v1/asample", json={"prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]},
                                                       "num_samples": 1, "sampling_params": {"max_tokens": 2}})
         assert answer.status_code == 400 and "mixture-of-experts" in answer.text, answer.text
+
+
+def test_dimuon_steps_each_experts_matrices_and_lowers_the_loss(moe_path):
+    """Dimuon orthogonalises each [r, d] matrix: an expert parameter's A [E, r, in] is E of them."""
+    from loraplex.types import DimuonParams
+
+    engine = make_engine(moe_path, {})
+    adapter = engine.create_adapter("d", LoraConfig(rank=4, train_unembed=False), optimizer="dimuon")
+    request = ForwardBackwardInput("d", [random_datum("cross_entropy", 20, torch.Generator().manual_seed(0), 512)])
+    losses = []
+    for _ in range(4):
+        losses.append(engine.forward_backward([request])[0].metrics["loss:sum"])
+        engine.optim_step([("d", DimuonParams(learning_rate=1e-2))])
+    assert losses[-1] < 0.9 * losses[0], losses
+    b = adapter.weights["model.layers.0.mlp.experts.down_proj"].lora_b
+    assert (b.detach().abs().sum(dim=(1, 2)) > 0).all()  # every expert trained
