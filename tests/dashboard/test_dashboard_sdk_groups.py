@@ -7,9 +7,12 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+import sqlalchemy as sa
 import tinker
 from tinker import types
 
+from db.inferred_groups import ADVANTAGE_DATUMS, SAMPLES
+from db.models import ServiceMetric
 from tests.servers import running_server
 
 pytestmark = pytest.mark.vllm
@@ -48,13 +51,13 @@ def sdk_run(tmp_path_factory):
         training.forward_backward(data, "importance_sampling").result()
         training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
         with httpx.Client(base_url=f"{server.base_url}/dashboard/api", timeout=60) as http:
-            yield http, training.model_id, key, other_key, [len(s.tokens) for s in mixed], advantages
+            yield http, training.model_id, key, other_key, [len(s.tokens) for s in mixed], advantages, server
 
 
 def test_groups_of_an_sdk_run_come_from_its_samples_and_the_advantages_it_trained_on(sdk_run, tiny_model_path):
     from transformers import AutoTokenizer
 
-    http, run, key, _, mixed_lengths, advantages = sdk_run
+    http, run, key, _, mixed_lengths, advantages, _ = sdk_run
     answer = http.get(f"/runs/{run}/rl_groups", headers={"X-API-Key": key})
     assert answer.status_code == 200, answer.text
     [step] = answer.json()["steps"]
@@ -76,8 +79,24 @@ def test_groups_of_an_sdk_run_come_from_its_samples_and_the_advantages_it_traine
 
 
 def test_sdk_groups_follow_since_and_stay_the_tenants_own(sdk_run):
-    http, run, key, other_key, _, _ = sdk_run
+    http, run, key, other_key, _, _, _ = sdk_run
     assert http.get(f"/runs/{run}/rl_groups", params={"since": 0}, headers={"X-API-Key": key}).json()["steps"]
     assert http.get(f"/runs/{run}/rl_groups", params={"since": 1}, headers={"X-API-Key": key}).json()["steps"] == []
     refused = http.get(f"/runs/{run}/rl_groups", headers={"X-API-Key": other_key})
     assert refused.status_code == 404 and "run_id" in refused.json()["detail"]
+
+
+def test_rows_stored_before_the_counts_existed_give_the_same_groups(sdk_run):
+    """Rows without the sample count or the trainer's count of datums with advantages (stored by an older
+    version) are read by their bodies."""
+    http, run, key, _, _, _, server = sdk_run
+    before = http.get(f"/runs/{run}/rl_groups", headers={"X-API-Key": key}).json()
+    with server.embedded.sessions() as s:
+        rows = s.scalars(sa.select(ServiceMetric).where(ServiceMetric.run_id == run)).all()
+        counted = {source: sorted(row.numbers[key] for row in rows if row.source == source)
+                   for source, key in (("sample", SAMPLES), ("forward_backward", ADVANTAGE_DATUMS))}
+        for row in rows:
+            row.numbers = {k: v for k, v in row.numbers.items() if k not in (SAMPLES, ADVANTAGE_DATUMS)}
+        s.commit()
+    assert counted == {"sample": [1, 3, 4], "forward_backward": [7]}
+    assert http.get(f"/runs/{run}/rl_groups", headers={"X-API-Key": key}).json() == before
