@@ -11,7 +11,7 @@ makes, in the same order.
 Used for a CPU pass of two or more adapters of one layout (same rank, at least 2, and targets,
 so the same flat layout) whose segments lay out on a bmm grid. Only layers up to the first one
 wider than the bmm path takes (an unembedding, which comes last) are stacked: those keep the
-segment loop.
+segment loop. A mixture of experts' expert weights (after every Linear's) are not stacked either.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class StackedAdapters:
         # the stacked modules: those before the first vocabulary-wide one, in layout order
         self.paths: list[str] = []
         for path, weights in first.weights.items():
-            if weights.lora_b.shape[0] > BMM_MAX_OUT_FEATURES:
+            # (a mixture of experts' per-expert weights come last and are read by moe_experts.py, never stacked)
+            if weights.lora_b.shape[0] > BMM_MAX_OUT_FEATURES or weights.lora_a.dim() != 2:
                 break
             self.paths.append(path)
         end = self._region(self.paths[-1])[1] if self.paths else 0

@@ -169,3 +169,26 @@ def test_dimuon_steps_each_experts_matrices_and_lowers_the_loss(moe_path):
     assert losses[-1] < 0.9 * losses[0], losses
     b = adapter.weights["model.layers.0.mlp.experts.down_proj"].lora_b
     assert (b.detach().abs().sum(dim=(1, 2)) > 0).all()  # every expert trained
+
+
+@pytest.mark.parametrize("unembed", [False, True])
+def test_adapters_of_one_layout_stack_their_linear_layers_and_equal_peft(moe_path, unembed, monkeypatch):
+    """Two adapters of one layout take the stacked bmm path (stacked_adapters.py) on their Linear layers; their
+    expert weights are not stacked (moe_experts.py reads them) and every number still equals peft's."""
+    from tests.workers.trainer.test_engine_parity import check_against_peft
+    from workers.trainer.stacked_adapters import StackedAdapters
+
+    stacked = []
+    for_pass = StackedAdapters.for_pass.__func__
+
+    def recording(cls, *args, **kwargs):
+        stacked.append(for_pass(cls, *args, **kwargs))
+        return stacked[-1]
+
+    monkeypatch.setattr(StackedAdapters, "for_pass", classmethod(recording))
+    engine = make_engine(moe_path, {name: LoraConfig(rank=4, alpha=alpha, seed=i, train_unembed=unembed)
+                                    for i, (name, alpha) in enumerate((("x", 8.0), ("y", 16.0)))})
+    gen = torch.Generator().manual_seed(1)
+    reqs = [ForwardBackwardInput(n, [random_datum("cross_entropy", k, gen, 512) for k in (30, 20)]) for n in "xy"]
+    check_against_peft(engine, reqs, moe_path)
+    assert stacked and all(s is not None and not any(".experts." in p for p in s.paths) for s in stacked)
