@@ -172,14 +172,22 @@ def expert_segments(plan: RoutingPlan, dispatch: Dispatch, path: str, expert: in
     return segments
 
 
+def span_boundaries(plan: RoutingPlan) -> list[int]:
+    """Every packed row where a span or one of its pieces begins or ends."""
+    rows = set()
+    for i, (_, start, end) in enumerate(plan.spans):
+        rows.update((start, end))
+        for piece in plan.pieces[i] if plan.pieces is not None else ():
+            rows.update(piece)
+    return sorted(rows)
+
+
 def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: nn.Module,
                    plan: RoutingPlan, paths: tuple[str, str], backend: str = "auto") -> torch.Tensor:
     """The experts' output [T, H] for packed rows x [T, H] with each adapter's LoRA on its own rows."""
     T, k = top_k_index.shape
-    boundaries = sorted({row for i, (_, start, end) in enumerate(plan.spans)
-                         for row in (start, end, *(r for piece in (plan.pieces[i] if plan.pieces else ()) for r in piece))})
     with torch.no_grad():
-        dispatch = Dispatch.of(top_k_index, boundaries, experts.num_experts)
+        dispatch = Dispatch.of(top_k_index, span_boundaries(plan), experts.num_experts)
     # each token once per slot, then sorted: index_select by a permutation, whose backward adds no two rows
     rows = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1]).index_select(0, dispatch.order)
     outputs = []
