@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from statistics import fmean
+from typing import NamedTuple
 
 import numpy as np
 import sqlalchemy as sa
@@ -27,15 +28,21 @@ OUTCOMES = ("all_good", "all_bad", "mixed", "uniform")
 Groups = dict[tuple[int, bytes], list[dict]]  # (step, prompt as int32 bytes) -> members
 
 
+class RolloutGroups(NamedTuple):
+    groups: Groups
+    requests: set[str]  # the sample requests the turns came from
+    later_prompts: set[tuple[int, bytes]]  # (step, prompt) of later turns: a datum of one is no group member
+
+
 def of_run(run_id: str):
     """Turns sampled from the run's snapshots (their tinker:// sampler path names the run)."""
     return RolloutTurn.sampler_path.startswith(f"tinker://{run_id}/", autoescape=True)
 
 
-def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> tuple[Groups, set[str]]:
-    """(step, prompt tokens) -> the group's members, for the run's turns after step `since`, and the
-    sample requests those turns came from. A turn sampled from policy_version v is at step v + 1, the
-    optimizer step its rollouts feed (as every sample on the dashboard's axis: db/run_metrics.py)."""
+def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> RolloutGroups:
+    """(step, prompt tokens) -> the group's members, for the run's turns after step `since`. A turn
+    sampled from policy_version v is at step v + 1, the optimizer step its rollouts feed (as every
+    sample on the dashboard's axis: db/run_metrics.py)."""
     turns = s.execute(
         sa.select(RolloutTurn.id, RolloutTurn.trajectory_id, RolloutTurn.turn, RolloutTurn.policy_version,
                   RolloutTurn.prompt_tokens, RolloutTurn.request_id, RolloutTrajectory.session_id,
@@ -65,7 +72,8 @@ def group_members(s: Session, tenant_id: str, run_id: str, since: int) -> tuple[
                 "reward": sample.reward if sample.reward is not None else t.reward, "advantage": None,
                 "output_tokens": len(sample.tokens) // 4 + (later_tokens[t.trajectory_id] if only else 0),
                 "_tokens": np.frombuffer(sample.tokens, dtype="<i4")})
-    return groups, {t.request_id for t in turns}
+    return RolloutGroups(groups, {t.request_id for t in turns},
+                         {(t.policy_version + 1, t.prompt_tokens) for t in turns if t.turn > 0})
 
 
 def add_datum(members: list[dict], datum: DatumMember) -> None:
@@ -84,14 +92,16 @@ def add_datum(members: list[dict], datum: DatumMember) -> None:
 def run_groups(s: Session, tenant_id: str, run_id: str, since: int) -> Groups:
     """Every group of the run at steps after `since`: the rollout store's, the SDK's samples of one
     prompt (num_samples > 1), and the datums with advantages the run trained on."""
-    groups, recorded = group_members(s, tenant_id, run_id, since)
+    groups, recorded, later_prompts = group_members(s, tenant_id, run_id, since)
     for step, prompt, sequences in sample_groups(s, tenant_id, run_id, since, recorded):
         groups[(step, prompt)].extend({
             "source": "sample", "session_id": None, "turn": 0, "choice": choice, "reward": None, "advantage": None,
             "output_tokens": len(tokens), "_tokens": np.asarray(tokens, dtype=np.int64)}
             for choice, tokens in enumerate(sequences))
     for step, datum in datum_members(s, tenant_id, run_id, since):
-        add_datum(groups[(step, prompt_key(datum.prompt))], datum)
+        key = (step, prompt_key(datum.prompt))
+        if key not in later_prompts:  # a later turn's own datum (its history rendered anew): not a group's
+            add_datum(groups[key], datum)
     return groups
 
 

@@ -57,6 +57,15 @@ def loop(tmp_path_factory):
             rollouts.set_reward("group-b1", 1.0)
             rollouts.set_reward("group-b2", 0.5)
             datums = [d for s in ("group-b1", "group-b2") for d in rollouts.datums(s, advantage=1.0).datums]
+            # the two-turn trajectory's second turn trained alone, as a datum of its own prompt (as when a
+            # harness renders the history anew): a later turn, a member of no group
+            later = rollouts.get_trajectory("two-turns").turns[1]
+            tokens = later.prompt_tokens + later.samples[0].tokens
+            before = len(later.prompt_tokens) - 1
+            datums.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                "target_tokens": np.array(tokens[1:], dtype=np.int64),
+                "logprobs": np.array([0.0] * before + later.samples[0].logprobs, dtype=np.float32),
+                "advantages": np.array([0.0] * before + [0.5] * len(later.samples[0].tokens), dtype=np.float32)}))
             training.forward_backward(datums, "importance_sampling").result()
             training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         with httpx.Client(base_url=f"{server.base_url}/dashboard/api", headers={"X-API-Key": key}, timeout=60) as http:
