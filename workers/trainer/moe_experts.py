@@ -19,9 +19,11 @@ Segment layout (one sparse block, T packed token rows, top-k experts per token):
                      block, so a segment is contiguous too; a request's piece of a span (its
                      weight gradients' unit, grad_pieces.py) maps to a contiguous range the same way.
 
-For each expert with rows, gate_up and down are a base product plus `apply_segmented_lora` over
-that expert's segments, whose A and B are the adapter's [e] slices and whose gradients go to
-the [e] slices of the adapter's .grad views. Each row's output is scaled by its routing weight and
+gate_up and down are each expert's base product on its block, then one `apply_segmented_lora`
+over every (adapter, expert) segment of the dispatched rows, whose A and B are the adapter's [e]
+slices and whose gradients go to the [e] slices of the adapter's .grad views (one call, not one
+per expert: a segment is a few rows when many tenants share a pass, and the calls' overhead was
+what the expert path cost beyond a dense model's). Each row's output is scaled by its routing weight and
 a token's k rows are added in slot order.
 
 Batch invariance (docs/decisions/0022): the number of rows an expert gets follows the whole
@@ -155,20 +157,22 @@ class Dispatch:
         return self._positions[(expert, row)]
 
 
-def expert_segments(plan: RoutingPlan, dispatch: Dispatch, path: str, expert: int) -> list[Segment]:
-    """The (adapter, expert) segments of one fused parameter, in rows of the expert's block."""
+def expert_segments(plan: RoutingPlan, dispatch: Dispatch, path: str) -> list[Segment]:
+    """The (adapter, expert) segments of one fused parameter, in dispatched rows: expert after expert,
+    each expert's adapters in packed order."""
     segments = []
-    for i, (adapter, start, end) in enumerate(plan.spans):
-        weights = adapter.weights.get(path)
-        if weights is None:
-            continue
-        lo, hi = dispatch.local(expert, start), dispatch.local(expert, end)
-        if hi <= lo:
-            continue
-        pieces = tuple((dispatch.local(expert, a), dispatch.local(expert, b)) for a, b in plan.pieces[i]) \
-            if plan.pieces is not None else ()
-        segments.append(Segment(lo, hi, weights.lora_a[expert], weights.lora_b[expert], adapter.scale,
-                                weights.lora_a.grad[expert], weights.lora_b.grad[expert], pieces))
+    for expert, offset in enumerate(dispatch.offsets):
+        for i, (adapter, start, end) in enumerate(plan.spans):
+            weights = adapter.weights.get(path)
+            if weights is None:
+                continue
+            lo, hi = dispatch.local(expert, start), dispatch.local(expert, end)
+            if hi <= lo:
+                continue
+            pieces = tuple((offset + dispatch.local(expert, a), offset + dispatch.local(expert, b))
+                           for a, b in plan.pieces[i]) if plan.pieces is not None else ()
+            segments.append(Segment(offset + lo, offset + hi, weights.lora_a[expert], weights.lora_b[expert],
+                                    adapter.scale, weights.lora_a.grad[expert], weights.lora_b.grad[expert], pieces))
     return segments
 
 
@@ -182,6 +186,12 @@ def span_boundaries(plan: RoutingPlan) -> list[int]:
     return sorted(rows)
 
 
+def per_expert(rows: torch.Tensor, weight: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+    """Each expert's block of dispatched rows times its own [out, in] matrix of the fused `weight`."""
+    return torch.cat([_RowLinear.apply(rows[first: first + n], weight[e])
+                      for e, (first, n) in enumerate(zip(dispatch.offsets, dispatch.counts)) if n])
+
+
 def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: nn.Module,
                    plan: RoutingPlan, paths: tuple[str, str], backend: str = "auto") -> torch.Tensor:
     """The experts' output [T, H] for packed rows x [T, H] with each adapter's LoRA on its own rows."""
@@ -190,18 +200,14 @@ def routed_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         dispatch = Dispatch.of(top_k_index, span_boundaries(plan), experts.num_experts)
     # each token once per slot, then sorted: index_select by a permutation, whose backward adds no two rows
     rows = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1]).index_select(0, dispatch.order)
-    outputs = []
-    for e, (first, n) in enumerate(zip(dispatch.offsets, dispatch.counts)):
-        if n == 0:
-            continue
-        xe = rows[first: first + n]
-        h = apply_segmented_lora(xe, _RowLinear.apply(xe, experts.gate_up_proj[e]),
-                                 expert_segments(plan, dispatch, paths[0], e), backend)
-        gate, up = h.chunk(2, dim=-1)
-        u = experts.act_fn(gate) * up
-        outputs.append(apply_segmented_lora(u, _RowLinear.apply(u, experts.down_proj[e]),
-                                            expert_segments(plan, dispatch, paths[1], e), backend))
-    weighted = torch.cat(outputs) * top_k_weights.reshape(-1).index_select(0, dispatch.order)[:, None].to(x.dtype)
+    # base products expert by expert; each parameter's LoRA over every (adapter, expert) segment in one call
+    h = apply_segmented_lora(rows, per_expert(rows, experts.gate_up_proj, dispatch),
+                             expert_segments(plan, dispatch, paths[0]), backend)
+    gate, up = h.chunk(2, dim=-1)
+    u = experts.act_fn(gate) * up
+    down = apply_segmented_lora(u, per_expert(u, experts.down_proj, dispatch),
+                                expert_segments(plan, dispatch, paths[1]), backend)
+    weighted = down * top_k_weights.reshape(-1).index_select(0, dispatch.order)[:, None].to(x.dtype)
     per_slot = weighted.index_select(0, torch.argsort(dispatch.order)).view(T, k, -1)
     out = per_slot[:, 0]
     for j in range(1, k):  # slot order: a token's sum never depends on other tokens
