@@ -16,6 +16,9 @@ adapters' AdamW states are N times the memory to update.
         [--workloads 2x128,1x32] [--modes abcde] [--reps 3] [--device cpu|cuda] [--results PATH] [--no-write]
         [--before REV --pairs 2]
 
+`--models` takes any registered model; on a mixture of experts (`tiny-qwen3-moe`) every expert carries
+LoRA too, and peft serial (c) uses peft's `target_parameters`, as the trainer's export does.
+
 Modes are interleaved within each repetition and the median is reported, so machine noise hits
 all modes alike; only the ratios are meaningful.
 
@@ -121,11 +124,17 @@ def round_lora_free(engine, data):
 class PeftSerial:
     """The baseline a user would write with peft: one model, N named adapters, one at a time."""
 
-    def __init__(self, model_path, n_tenants: int, device: str):
+    def __init__(self, model_path, n_tenants: int, device: str, experts: list[str] = ()):
         self.device = device
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         base.to(device)
         config = PeftLoraConfig(r=RANK, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGETS))
+        if experts:  # a mixture of experts: the trainer's expert LoRA as its PEFT export writes it
+            from storage.peft_export import expert_target_parameters, peft_target_modules
+
+            config = PeftLoraConfig(r=RANK, lora_alpha=32, lora_dropout=0.0,
+                                    target_modules=peft_target_modules(LoraConfig(), True),
+                                    target_parameters=expert_target_parameters(experts))
         self.model = get_peft_model(base, config, adapter_name="t0")
         for i in range(1, n_tenants):
             self.model.add_adapter(f"t{i}", config)
@@ -161,7 +170,8 @@ def measure(model: str, tenants: list[int], workloads: list[str], reps: int, dev
     for i in range(max_n):
         engine.create_adapter(f"t{i}", LoraConfig(rank=RANK, alpha=32, seed=i))
     engine.create_adapter("all", LoraConfig(rank=RANK, alpha=32, seed=99))
-    peft_serial = PeftSerial(engine.model_path, max_n, device) if "c" in modes else None
+    experts = [path for path, w in engine.adapter("all").weights.items() if w.lora_a.dim() == 3]  # a MoE's
+    peft_serial = PeftSerial(engine.model_path, max_n, device, experts) if "c" in modes else None
     rows = []
     for workload in workloads:
         seqs, length = WORKLOADS[workload]
