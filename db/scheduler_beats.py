@@ -25,7 +25,8 @@ def live_schedulers(s: Session) -> list[SchedulerBeat]:
 
 def trainer_memory(s: Session) -> list[dict]:
     """One row per trainer of every live scheduler: its memory budget, the runs and bytes in memory and
-    paged out to disk, and its page-ins (all, and in the last minute with their mean latency)."""
+    paged out to disk, and its page-ins (all, and in the last minute with their mean latency; those served
+    from a state read ahead, and those read on the cycle's path)."""
     rows = []
     for beat in live_schedulers(s):
         for name, report in sorted((beat.trainers or {}).items()):
@@ -37,6 +38,7 @@ def trainer_memory(s: Session) -> list[dict]:
                 "paged_runs": stats.paged_runs, "paged_bytes": stats.paged_bytes,
                 "page_ins_last_minute": recent,
                 "mean_page_in_seconds": stats.recent_page_in_seconds / recent if recent else None,
-                "page_ins": stats.page_ins, "page_outs": stats.page_outs, "as_of": beat.beat_at,
+                "page_ins": stats.page_ins, "page_outs": stats.page_outs,
+                "prefetch_hits": stats.prefetch_hits, "prefetch_misses": stats.prefetch_misses, "as_of": beat.beat_at,
             })
     return rows

@@ -44,6 +44,7 @@ def test_the_trainers_memory_is_shown_to_operators(tmp_path):
         assert row["trainer"] == "engine" and row["budget_bytes"] == 1
         assert row["resident_runs"] == 1 and row["paged_runs"] == 2 and row["paged_bytes"] > 0
         assert row["page_ins_last_minute"] >= 1 and row["mean_page_in_seconds"] > 0 and row["page_outs"] >= 3
+        assert row["prefetch_hits"] + row["prefetch_misses"] == row["page_ins"]  # read ahead, or on the cycle's path
         table = admin("trainers")
         assert "engine" in table and "paged runs" in table
 
@@ -52,4 +53,5 @@ def test_the_trainers_memory_is_shown_to_operators(tmp_path):
         overview = httpx.get(f"{server.base_url}/dashboard/api/admin/overview", headers={"X-API-Key": operator}).json()
         [shown] = overview["trainers"]
         assert shown["paged_runs"] == 2 and shown["resident_runs"] == 1
+        assert shown["prefetch_hits"] + shown["prefetch_misses"] == shown["page_ins"]
     assert "no service is running" in admin("trainers")  # the beat's row goes with the server

@@ -24,7 +24,8 @@
       el("td", {className: "num"}, number(t.paged_runs)), el("td", {className: "num"}, Dash.bytes(t.paged_bytes)),
       el("td", {className: "num"}, number(t.page_ins_last_minute)),
       el("td", {className: "num"}, t.mean_page_in_seconds === null ? "–" : `${number(t.mean_page_in_seconds * 1000)} ms`),
-      el("td", {className: "num"}, `${number(t.page_ins)} / ${number(t.page_outs)}`))),
+      el("td", {className: "num"}, `${number(t.page_ins)} / ${number(t.page_outs)}`),
+      el("td", {className: "num"}, `${number(t.prefetch_hits)} / ${number(t.prefetch_misses)}`))),
       document.getElementById("no-trainers"));
     Dash.fillTable(document.querySelector("#tenants tbody"), tenants.map((t) => el("tr", {dataset: {tenantId: t.tenant_id}},
       el("td", {}, t.name, t.disabled ? el("span", {className: "status deleted"}, " disabled") : null),
