@@ -28,9 +28,10 @@ seq_id its history started at (`lineage_seq`), so a state from before a load is 
 base for replaying requests after it. Where no usable state is left, the model's requests fail
 with `LiveStateError`, naming what was found and what to do (`loraplex-admin models rebuild`).
 
-Prefetch (`prefetch`, workers/trainer/prefetch.py): runs the scheduler says are queued are read and
-verified on a background thread; `restore` then uses that copy if it is of the very slot and manifest
-it would load, and reads the slot itself otherwise. Every write of a model discards its copy.
+Prefetch (`prefetch`, workers/trainer/prefetch.py): runs the scheduler says are queued are read,
+verified and (on CPU) built into their adapter on a background thread; `restore` then uses that copy
+if it is of the very slot and manifest it would load, and reads the slot itself otherwise. Every
+write of a model discards its copy.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ from storage import store
 from storage.checkpoint_files import CheckpointError
 from storage.live_slots import SLOTS, Slot, candidates, cannot_restore, read_slots, slot_paths
 from workers.compute_thread import ComputeThread, run_on
-from workers.trainer.checkpoints import TrainingState
+from storage.peft_export import read_verified_state
+from workers.trainer.adapters import OPTIMIZER_STATE, Adapter
+from workers.trainer.checkpoints import TrainingState, load_training_state
 from workers.trainer.prefetch import Prefetcher
 from workers.trainer.state_writer import StateWriter
 
@@ -69,6 +72,16 @@ class Restored:
     def behind(self) -> bool:
         """Older than what was written or reported: requests after `seq` must be replayed onto it."""
         return self.seq < self.expected
+
+
+def in_memory_bytes(slot: Slot) -> int:
+    """About what the slot's state takes once loaded: in memory an adapter also holds gradients (zeros if none
+    were stored), so weights-sized tensors stored -> held: weights, gradients, the optimizer's state."""
+    manifest = slot.manifest
+    optimizer_tensors = len(OPTIMIZER_STATE.get(manifest.get("optimizer", "adamw"), ("", "")))
+    stored = 1 + (optimizer_tensors if manifest.get("has_optimizer_state") else 0) + bool(manifest.get("has_gradients"))
+    held = 2 + (optimizer_tensors if manifest.get("has_optimizer_state") else 0)
+    return store.size(slot.path) * held // stored
 
 
 class LiveStates:
@@ -102,7 +115,7 @@ class LiveStates:
         # A stored state newer than that was written before its step's outcome was committed, and the
         # server stopped in between: the step runs again, so restoring that state would apply it twice.
         self._ceiling: dict[str, int] = {}
-        self.prefetcher = Prefetcher(self._locate, prefetch_bytes) if prefetch_bytes > 0 else None
+        self.prefetcher = Prefetcher(self._locate, self._load_ahead, prefetch_bytes) if prefetch_bytes > 0 else None
 
     def path(self, model_id: str) -> str:
         """The model's newest written slot as far as this process knows (else the main one)."""
@@ -171,7 +184,10 @@ class LiveStates:
                 continue
             read = ready is not None and ready.matches(slot)
             try:  # a copy read ahead was verified against this very manifest; the store's is verified now
-                self.engine.load_state(model_id, slot.path, read=(ready.manifest, ready.tensors) if read else None)
+                if read and isinstance(ready.loaded, Adapter):
+                    self.engine.adapters[model_id] = ready.loaded
+                else:
+                    self.engine.load_state(model_id, slot.path, read=(ready.manifest, ready.loaded) if read else None)
             except CheckpointError as e:
                 problems.append(f"{slot.describe()}: {e}")
                 continue
@@ -219,7 +235,17 @@ class LiveStates:
             return None
         self.writer.flush(model_id)
         usable = candidates(read_slots(self.live_dir, model_id), [])
-        return (usable[0], store.size(usable[0].path)) if usable else None
+        return (usable[0], in_memory_bytes(usable[0])) if usable else None
+
+    def _load_ahead(self, model_id: str, slot: Slot) -> tuple[dict, object, int]:
+        """(On the prefetch thread.) The slot's verified manifest and, on CPU, the adapter `restore` would
+        build from it (the engine's load_state, bit for bit); on a GPU its tensors, in host memory."""
+        manifest, tensors = read_verified_state(slot.path)
+        if self.engine.device.type != "cpu":
+            return manifest, tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+        adapter = load_training_state(model_id, slot.path, self.engine.base_layers, self.engine.dtype,
+                                      self.engine.max_rank, read=(manifest, tensors))
+        return manifest, adapter, adapter.resident_bytes
 
     def restart_from(self, model_id: str, seq_id: int) -> None:
         """The scheduler replays the model's requests after `seq_id` onto its restored state now."""

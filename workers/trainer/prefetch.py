@@ -2,9 +2,10 @@
 
 The scheduler tells the executor which runs its queued requests need (`want`, a hint). This thread
 reads each one's newest stored state and verifies it against its SHA-256 manifest while the compute
-thread keeps computing, and keeps the verified tensors in host memory, up to `allowance` bytes (beside
-the memory budget, docs/memory.md). The cycle that pages the run in then only copies them into the
-engine (`take`, from LiveStates.restore), instead of reading and hashing on the cycle's path.
+thread keeps computing, and keeps it in host memory, up to `allowance` bytes (beside the memory
+budget, docs/memory.md): on CPU as the very adapter the cycle will train (built here: that was half
+a page-in's time), on a GPU as verified host tensors. The cycle that pages the run in then only
+installs it (`take`, from LiveStates.restore), instead of reading, hashing and building on its path.
 
 Never used stale: a copy is used only for the slot restore picks, with the very manifest it was
 verified against (the manifest holds the tensors' SHA-256, so the bytes are the ones stored there
@@ -23,7 +24,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from storage.live_slots import Slot
-from storage.peft_export import read_verified_state
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,12 @@ TTL_SECONDS = 60.0  # an untaken copy gives way to newer hints after this long
 
 @dataclass(frozen=True)
 class Prefetched:
-    """A run's stored state read ahead: the slot it came from, its manifest as verified, its tensors."""
+    """A run's stored state read ahead: the slot it came from, its manifest as verified, and what `load` made
+    of it (LiveStates: the adapter, or the tensors)."""
 
     path: str
     manifest: dict
-    tensors: dict
+    loaded: object
     nbytes: int
     read_at: float  # monotonic
 
@@ -46,11 +47,14 @@ class Prefetched:
 
 
 class Prefetcher:
-    def __init__(self, locate: Callable[[str], tuple[Slot, int] | None], allowance: int,
-                 ttl: float = TTL_SECONDS) -> None:
-        """locate: on this thread, the slot a run would be restored from and its tensors' bytes (None: the run
-        is resident, or has no stored state); allowance: the most bytes of copies held (and being read)."""
+    def __init__(self, locate: Callable[[str], tuple[Slot, int] | None],
+                 load: Callable[[str, Slot], tuple[dict, object, int]], allowance: int, ttl: float = TTL_SECONDS) -> None:
+        """On this thread: locate, the slot a run would be restored from and the most bytes its copy may take
+        (None: the run is resident, or has no stored state); load, the slot's verified manifest, what it is
+        loaded as, and its bytes (CheckpointError if it does not verify). allowance: the most bytes of copies
+        held (and being read)."""
         self._locate = locate
+        self._load = load
         self.allowance = allowance
         self.ttl = ttl
         self._wanted: OrderedDict[str, None] = OrderedDict()  # hinted runs, oldest hint first
@@ -133,12 +137,12 @@ class Prefetcher:
         slot, nbytes = located
         if not self._make_room(model_id, epoch, nbytes):
             return
-        manifest, tensors = read_verified_state(slot.path)  # CheckpointError if its bytes do not verify
+        manifest, loaded, nbytes = self._load(model_id, slot)
         if manifest != slot.manifest:  # rewritten since it was located
             return
         with self._changed:
             if self._epoch.get(model_id, 0) == epoch and not self._closed:
-                self._held[model_id] = Prefetched(slot.path, manifest, tensors, nbytes, time.monotonic())
+                self._held[model_id] = Prefetched(slot.path, manifest, loaded, nbytes, time.monotonic())
 
     def _make_room(self, model_id: str, epoch: int, nbytes: int) -> bool:
         """Reserve room for the run's copy, waiting for copies to be taken or to expire; False if the run

@@ -115,7 +115,8 @@ def test_a_run_leaving_the_trainer_drops_its_copy_and_an_untaken_one_expires(tin
     prefetcher.ttl = 0.2
     executor.prefetch(["b"])
     wait_until(lambda: prefetcher.holds("b"), "b read ahead")
-    prefetcher.allowance = prefetcher.held_bytes + 1024  # room for one copy
+    _, room_for_a = executor.live._locate("a")
+    prefetcher.allowance = room_for_a  # not for b's copy beside it
     executor.prefetch(["a"])
     wait_until(lambda: prefetcher.holds("a") and not prefetcher.holds("b"), "b's copy to expire for a's")
     executor.close()
@@ -161,3 +162,26 @@ def test_the_schedulers_hint_reaches_the_executor_of_an_embedded_server(tmp_path
         stats = executor.residency_stats()
         assert stats.prefetch_hits == before.prefetch_hits + 1 and stats.prefetch_misses == before.prefetch_misses
         assert stats.prefetched_bytes == 0
+
+
+@pytest.mark.slow  # an engine process starts
+def test_an_engine_process_gets_the_hints_with_its_next_cycle(tiny_model_path, tmp_path):
+    from workers.trainer.process_executor import ProcessExecutor
+
+    budget = one_run_bytes(tiny_model_path, tmp_path)
+    executor = ProcessExecutor(tiny_model_path, 16, tmp_path / "live", memory_budget=(budget, 0.0),
+                               prefetch_bytes=2 * budget)
+    try:
+        for step in history():  # by its end "a" and "b" are paged out, "c" is resident
+            run_cycle(executor, step)
+        executor.prefetch(["a"])  # kept until the next cycle, which is "c"'s: "a" is read meanwhile
+        q, job = forward_backward("c", 5, forward_only=True)
+        executor.run_cycle(Cycle(forward_backward=[q]), {q.id: job})
+        wait_until(lambda: executor._call("residency_stats").prefetched_bytes > 0, "a read ahead in the child")
+        before = executor.residency_stats()
+        q, job = forward_backward("a", 5, forward_only=True)
+        assert executor.run_cycle(Cycle(forward_backward=[q]), {q.id: job})[q.id].error is None
+        after = executor.residency_stats()
+        assert after.prefetch_hits == before.prefetch_hits + 1 and after.prefetch_misses == before.prefetch_misses
+    finally:
+        executor.close()
