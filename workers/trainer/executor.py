@@ -240,9 +240,11 @@ class InProcessExecutor:
             self.residency.forget(model_id)
         last_seq = self._last_seq.pop(model_id, None)
         if last_seq is not None and self.live.captured_seq(model_id) != last_seq:
-            # paging out: written in the background (a page-in of the run waits for it); moving to another
-            # worker: written before it leaves, the next worker loads it
-            self.live.persist(model_id, last_seq, with_gradients=True, wait=not paging)
+            # paging out: written in the background (a page-in of the run waits for it), copied there too on
+            # CPU (the adapter goes now; on a GPU its memory must go now); moving to another worker: written
+            # before it leaves, the next worker loads it
+            self.live.persist(model_id, last_seq, with_gradients=True, wait=not paging,
+                              handed_over=paging and self.engine.device.type == "cpu")
         elif not paging:
             self.live.writer.flush(model_id)  # captured already: written before it leaves
         if paging:  # idle: one copy on disk is enough (docs/memory.md)

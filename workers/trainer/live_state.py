@@ -125,12 +125,14 @@ class LiveStates:
     # --- writing ---------------------------------------------------------------------------------
 
     def persist(self, model_id: str, seq_id: int, *, wait: bool = True, with_gradients: bool = False,
-                resets: bool = False, started_by: str | None = None) -> None:
+                resets: bool = False, started_by: str | None = None, handed_over: bool = False) -> None:
         """Capture the model's state as of `seq_id` now; write it before returning, or (wait=False) in the
         background (the capture is a copy). Every write of a model goes through the writer, so none overtakes
         a newer one. `resets`: the state starts a new history (create_model, load_weights: `started_by`):
-        both slots, waited for."""
-        state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients)
+        both slots, waited for. `handed_over`: the model leaves the engine now (paged out): its tensors are
+        copied by the writer, not here (TrainingState.capture)."""
+        state = TrainingState.capture(self.engine.adapter(model_id), with_gradients=with_gradients,
+                                      handed_over=handed_over)
         self._captured_at[model_id] = time.monotonic()
         self._unwritten.pop(model_id, None)
         self._recreated.pop(model_id, None)
