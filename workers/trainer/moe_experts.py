@@ -22,9 +22,9 @@ Segment layout (one sparse block, T packed token rows, top-k experts per token):
 gate_up and down are each expert's base product on its block, then one `apply_segmented_lora`
 over every (adapter, expert) segment of the dispatched rows, whose A and B are the adapter's [e]
 slices and whose gradients go to the [e] slices of the adapter's .grad views (one call, not one
-per expert: a segment is a few rows when many tenants share a pass, and the calls' overhead was
-what the expert path cost beyond a dense model's). Each row's output is scaled by its routing weight and
-a token's k rows are added in slot order.
+per expert: a segment is a few rows when many tenants share a pass, and a call per expert cost more
+than its products). Each row's output is scaled by its routing weight and a token's k rows are added
+in slot order.
 
 Batch invariance (docs/decisions/0022): the number of rows an expert gets follows the whole
 batch, so its base products go through row_gemm (a product of few rows is computed on zero-padded

@@ -192,3 +192,23 @@ def test_adapters_of_one_layout_stack_their_linear_layers_and_equal_peft(moe_pat
     reqs = [ForwardBackwardInput(n, [random_datum("cross_entropy", k, gen, 512) for k in (30, 20)]) for n in "xy"]
     check_against_peft(engine, reqs, moe_path)
     assert stacked and all(s is not None and not any(".experts." in p for p in s.paths) for s in stacked)
+
+
+def test_the_merged_export_gives_the_trainers_logprobs(moe_path, tmp_path):
+    """save_weights_external merges with peft's merge_and_unload: every expert's B A lands in its own slice."""
+    from transformers import AutoModelForCausalLM
+
+    from storage.external_weights import MERGED
+
+    engine = make_engine(moe_path, ADAPTERS)
+    request = requests(engine.vocab_size)["a"]
+    export = engine.save_external_weights("a", tmp_path / "external", "loraplex/tiny-qwen3-moe")
+    merged = AutoModelForCausalLM.from_pretrained(export / MERGED, dtype=torch.float32, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
+    moved = (merged.model.layers[0].mlp.experts.gate_up_proj - base.model.layers[0].mlp.experts.gate_up_proj)
+    assert (moved.abs().sum(dim=(1, 2)) > 0).all()  # every expert's weights changed
+    ours = engine.forward([request])[0].loss_fn_outputs
+    with torch.no_grad():
+        for datum, out in zip(request.data, ours):
+            lp = target_logprobs(merged, datum.tokens, datum.loss_fn_inputs["target_tokens"])
+            assert rel_err(out["logprobs"], lp) <= 1e-5
