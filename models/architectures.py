@@ -34,9 +34,8 @@ class Architecture:
 # vLLM 0.32's CPU build runs a LoRA-enabled mixture-of-experts layer only through its Triton MoE kernels,
 # which fail there ("module 'triton.language' has no attribute 'float32'"); without LoRA it has a CPU
 # path, but Loraplex's sampler always runs with LoRA (the base model through an all-zero adapter)
-MOE_SAMPLING = ("sampling is not available for mixture-of-experts base models: the sampler (vLLM's CPU build) "
-                "has no LoRA for expert layers; train, save and export the adapter (PEFT, loadable in peft) "
-                "instead (docs/models.md)")
+MOE_SAMPLING = ("the sampler (vLLM's CPU build) has no LoRA for the expert layers of mixture-of-experts base "
+                "models; train, save and export the adapter (PEFT, loadable in peft) instead (docs/models.md)")
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "Llama 2/3, SmolLM2", "loraplex/tiny", "the reference layout"),
     Architecture("qwen2", "Qwen2, Qwen2.5", "loraplex/tiny-qwen2", "q/k/v biases"),

@@ -212,3 +212,28 @@ def test_the_merged_export_gives_the_trainers_logprobs(moe_path, tmp_path):
         for datum, out in zip(request.data, ours):
             lp = target_logprobs(merged, datum.tokens, datum.loss_fn_inputs["target_tokens"])
             assert rel_err(out["logprobs"], lp) <= 1e-5
+
+
+def test_the_official_sdk_trains_a_moe_model_and_is_told_sampling_is_refused(tmp_path):
+    """A served MoE, end to end with the tinker SDK: SFT steps lower the loss; a sampler of the saved weights
+    answers a 400 naming the limitation, not a failure inside vLLM."""
+    import tinker
+    from tinker import types
+
+    from tests.servers import running_server
+
+    with running_server(tmp_path, base_model=MOE) as server:
+        assert server.embedded.sampling is None  # no vLLM engine started for it
+        service = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
+        training = service.create_lora_training_client(base_model=MOE, rank=8)
+        tokens = list(range(3, 40))
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        losses = []
+        for _ in range(4):
+            losses.append(training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+            training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        assert losses[-1] < 0.9 * losses[0], losses
+        sampler = training.save_weights_and_get_sampling_client("s1")
+        with pytest.raises(tinker.BadRequestError, match="no LoRA for the expert layers of mixture-of-experts"):
+            sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
