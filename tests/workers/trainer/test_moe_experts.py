@@ -237,3 +237,27 @@ def test_the_official_sdk_trains_a_moe_model_and_is_told_sampling_is_refused(tmp
         sampler = training.save_weights_and_get_sampling_client("s1")
         with pytest.raises(tinker.BadRequestError, match="no LoRA for the expert layers of mixture-of-experts"):
             sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def test_requests_that_others_split_into_other_passes_keep_their_bits(moe_path):
+    """Adapter a's two requests share one pass alone; beside b's request (between them, 48-token passes)
+    each lands in a pass of its own. Its expert gradients still add the same per-request pieces in order."""
+    from workers.trainer.engine import TrainerEngine
+
+    gen = torch.Generator().manual_seed(9)
+    a1, a2 = ([random_datum("cross_entropy", 19, gen, 512)] for _ in range(2))
+    b = [random_datum("cross_entropy", 29, gen, 512)]
+
+    def gradients(requests):
+        engine = TrainerEngine(moe_path, max_pass_tokens=48)
+        init = torch.Generator().manual_seed(123)
+        for name, cfg in ADAPTERS.items():
+            with torch.no_grad():  # a non-zero B, so that A's gradients are not zero
+                for w in engine.create_adapter(name, cfg).weights.values():
+                    w.lora_b.copy_(0.1 * torch.randn(w.lora_b.shape, generator=init))
+        engine.forward_backward(requests)
+        return engine.adapter("a").flat_grads
+
+    alone = gradients([ForwardBackwardInput("a", a1), ForwardBackwardInput("a", a2)])
+    beside = gradients([ForwardBackwardInput("a", a1), ForwardBackwardInput("b", b), ForwardBackwardInput("a", a2)])
+    assert (alone != 0).float().mean() > 0.9 and torch.equal(alone, beside)
