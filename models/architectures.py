@@ -29,6 +29,13 @@ class Architecture:
     # why the sampler cannot serve models of this architecture ("" where it can): sampling is then refused
     # with this reason (a 400 at create_sampling_session and on every sample), never attempted
     no_sampling: str = ""
+    # a mixture of experts (fused 3-D expert parameters, workers/trainer/moe_experts.py): its sampling is refused
+    # for MOE_SAMPLING's reason, whatever the family (the tests check that every row whose model has experts says so)
+    moe: bool = False
+
+    def __post_init__(self) -> None:
+        if self.moe and not self.no_sampling:
+            object.__setattr__(self, "no_sampling", MOE_SAMPLING)
 
 
 # vLLM 0.32's CPU build runs a LoRA-enabled mixture-of-experts layer only through its Triton MoE kernels,
@@ -47,7 +54,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
                  unembed_lora=False),
     Architecture("qwen3_moe", "Qwen3-MoE", "loraplex/tiny-qwen3-moe",
                  "mixture of experts: fused 3-D expert parameters (LoRA per adapter and expert), a frozen top-k router",
-                 no_sampling=MOE_SAMPLING),
+                 moe=True),
+    Architecture("mixtral", "Mixtral", "loraplex/tiny-mixtral",
+                 "mixture of experts as Qwen3-MoE's; its router always renormalises the top-k weights", moe=True),
+    Architecture("olmoe", "OLMoE", "loraplex/tiny-olmoe",
+                 "mixture of experts as Qwen3-MoE's, top-k weights not renormalised; q/k norms over the whole "
+                 "projection", moe=True),
 )}
 
 

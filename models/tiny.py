@@ -94,9 +94,11 @@ def tiny_config(arch: str, vocab_size: int):
     """A 2-layer config of `arch` (a Hugging Face model_type) with what sets the family apart kept:
     Mistral's sliding window, Phi-3's fused qkv and gate_up projections, Gemma 2's soft-capping, tied
     embeddings, (1 + w) norms and alternating sliding and global layers, Qwen3-MoE's experts (4 per layer, each
-    token routed to 2, their weights renormalised as Qwen3-MoE's released configs do, every layer sparse)."""
-    from transformers import (Gemma2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    token routed to 2, their weights renormalised as Qwen3-MoE's released configs do, every layer sparse), Mixtral's
+    (the same experts behind a router that always renormalises, Mistral's sliding window) and OLMoE's (the same
+    experts, weights not renormalised, q/k norms over the whole projection)."""
+    from transformers import (Gemma2Config, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -127,6 +129,12 @@ def tiny_config(arch: str, vocab_size: int):
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(head_dim=32, num_experts=MOE_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    if arch == "mixtral":  # Mistral's attention (its sliding window kept, as on the tiny Mistral) and experts
+        return MixtralConfig(num_local_experts=MOE_EXPERTS, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
+                             **(common | {"intermediate_size": 32}))
+    if arch == "olmoe":  # top-k weights not renormalised and no q/k/v clipping, as OLMoE's released configs
+        return OlmoeConfig(num_experts=MOE_EXPERTS, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=None,
+                           **(common | {"intermediate_size": 32}))
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 

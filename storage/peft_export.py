@@ -44,9 +44,11 @@ def peft_config(config: LoraConfig, base_model_path: str | Path, target_paramete
 
 def peft_target_modules(config: LoraConfig, experts: bool) -> list[str]:
     """peft's `target_modules`. Beside fused experts, without the MLP names: peft reads `gate_proj` and
-    `up_proj` on a Qwen-MoE model as transformers 4's separate expert projections and fuses them into one
-    LoRA of twice the rank on gate_up_proj, where the trainer trains one rank-r LoRA per expert on the
-    fused gate_up_proj (the registry refuses MoE models with dense MLP layers, so nothing else has them)."""
+    `up_proj` on a Qwen3-MoE or OLMoE model (transformers' qwen2_moe conversion) as transformers 4's separate
+    expert projections and fuses them into one LoRA of twice the rank on gate_up_proj, where the trainer
+    trains one rank-r LoRA per expert on the fused gate_up_proj (the registry refuses MoE models with dense
+    MLP layers, so nothing else has them). On Mixtral they name nothing (its transformers 4 names were w1,
+    w3, w2)."""
     return [m for m in config.target_modules() if not (experts and m in MLP_MODULES)]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 from loraplex.hf_cache import write_snapshot
-from transformers import AutoTokenizer, GPT2Config
+from transformers import AutoTokenizer, GPT2Config, Qwen2MoeConfig
 
 from models.registry import REGISTRY, SUPPORTED_ARCHITECTURES, ModelUnavailable, model_info, resolve_model
 from models.tokenizer_files import tokenizer_manifest
@@ -87,6 +87,9 @@ def test_a_named_folder_never_overwrites_a_real_download_of_that_id(hub_cache, t
 
 @pytest.mark.parametrize("config, architecture", [
     (GPT2Config(architectures=["GPT2LMHeadModel"]), "'gpt2' model (GPT2LMHeadModel)"),
+    # a mixture of experts with a shared expert beside the routed ones: not one of the MoE families served
+    (Qwen2MoeConfig(architectures=["Qwen2MoeForCausalLM"], hidden_size=64, num_attention_heads=2),
+     "'qwen2_moe' model (Qwen2MoeForCausalLM)"),
 ])
 def test_an_architecture_not_proven_is_refused_naming_it_and_the_supported_ones(tmp_path, config, architecture):
     folder = tmp_path / "model"
@@ -94,6 +97,18 @@ def test_an_architecture_not_proven_is_refused_naming_it_and_the_supported_ones(
     with pytest.raises(ModelUnavailable) as refused:
         model_info(str(folder))
     assert f"is a {architecture}; Loraplex trains {', '.join(SUPPORTED_ARCHITECTURES)} models" in str(refused.value)
+
+
+def test_a_model_that_clips_q_k_v_is_refused_by_name(tmp_path):
+    """OLMoE's optional clip_qkv clamps the projections' outputs in place, which the trainer's grouped q/k/v
+    LoRA cannot take (autograd refuses it mid-request); the tiny OLMoE, like the released ones, has none."""
+    from transformers import OlmoeConfig
+
+    assert model_info("loraplex/tiny-olmoe").arch == "olmoe"  # served
+    OlmoeConfig(architectures=["OlmoeForCausalLM"], hidden_size=64, num_attention_heads=2,
+                clip_qkv=8.0).save_pretrained(tmp_path)
+    with pytest.raises(ModelUnavailable, match=r"clips its queries, keys and values \(clip_qkv=8.0\)"):
+        model_info(str(tmp_path))
 
 
 def test_a_moe_model_with_dense_mlp_layers_is_refused_by_name(tmp_path):

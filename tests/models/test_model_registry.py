@@ -30,6 +30,8 @@ NAMES = {
     "loraplex/tiny-phi3": ["tiny-phi3"],
     "loraplex/tiny-gemma2": ["tiny-gemma2"],
     "loraplex/tiny-qwen3-moe": ["tiny-qwen3-moe"],
+    "loraplex/tiny-mixtral": ["tiny-mixtral"],
+    "loraplex/tiny-olmoe": ["tiny-olmoe"],
     "HuggingFaceTB/SmolLM2-135M-Instruct": ["SmolLM2-135M-Instruct", "smollm2"],
 }
 

@@ -1,9 +1,11 @@
 """Mixture-of-experts layers with many adapters' LoRA on every expert, in one packed pass.
 
-transformers keeps a sparse block's experts as fused 3-D parameters (Qwen3-MoE's
-`mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]), which LoRA by module name would
-skip. The engine swaps each such experts module for a `MultiLoRAExperts`, which reads the same
-`RoutingPlan` as the Linear layers (lora_layers.py). An adapter that trains the MLP holds, for each
+transformers keeps a sparse block's experts as fused 3-D parameters (Qwen3-MoE's, Mixtral's and
+OLMoE's `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]), which LoRA by module name
+would skip; their routers differ (renormalised top-k weights or not) but hand the experts the same
+top_k_index and top_k_weights, so one module serves them all. The engine swaps each such experts
+module for a `MultiLoRAExperts`, which reads the same `RoutingPlan` as the Linear layers
+(lora_layers.py). An adapter that trains the MLP holds, for each
 of these parameters, one A and one B per expert: A [E, r, in], B [E, out, r] (a `LoraWeights` of
 3-D matrices, so its flat tensor, checkpoints and paging carry them like any other). The router
 (the block's `gate`) is the base model's, frozen, with no LoRA: it picks each token's experts and

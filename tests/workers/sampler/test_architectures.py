@@ -83,7 +83,7 @@ def child():
         yield pool
 
 
-# an architecture the sampler refuses (Qwen3-MoE: models/architectures.py's no_sampling) is never sampled; its
+# an architecture the sampler refuses (the MoE rows: models/architectures.py's no_sampling) is never sampled; its
 # PEFT export is proven in peft by tests/workers/trainer/test_moe_experts.py, its refusal there too
 @pytest.mark.parametrize("model_type", sorted(m for m, a in ARCHITECTURES.items() if not a.no_sampling))
 def test_vllm_and_peft_give_the_trainers_logprobs(model_type, child, tmp_path):

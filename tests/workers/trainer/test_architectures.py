@@ -15,12 +15,13 @@ from loraplex.types import AdamParams
 from contract.configs import LoraConfig
 from contract.errors import InvalidInputError
 from contract.inputs import ForwardBackwardInput
-from models.architectures import ARCHITECTURES
+from models.architectures import ARCHITECTURES, MOE_SAMPLING, sampling_refusal
 from models.registry import resolve_model
 from models.tiny import SLIDING_WINDOW
 from tests.workers.trainer.test_batch_invariance import HEALTH, check_composition, compositions, datums
 from tests.workers.trainer.test_engine_parity import check_against_peft, make_engine
 from workers.trainer.engine import TrainerEngine
+from workers.trainer.moe_experts import MultiLoRAExperts
 
 LONG = 2 * SLIDING_WINDOW + 5  # past the window, twice
 
@@ -91,7 +92,7 @@ def test_lora_covers_every_module_the_switches_name(arch, model_path):
     experts = {f"{name.removesuffix('.base')}.{p}": getattr(module, p) for name, module in engine.model.named_modules()
                if name.endswith("experts.base") for p in ("gate_up_proj", "down_proj")}
     assert set(adapter.weights) == projections | set(experts)
-    per_layer = {"phi3": 4, "qwen3_moe": 6}.get(arch.model_type, 7)
+    per_layer = 6 if arch.moe else {"phi3": 4}.get(arch.model_type, 7)
     assert len(adapter.weights) == per_layer * layers
     assert not any(".gate." in path or path.endswith(".gate") for path in adapter.weights)  # the router: frozen
     for path, weight in experts.items():  # [experts, out, in] -> A [experts, r, in], B [experts, out, r]
@@ -99,6 +100,15 @@ def test_lora_covers_every_module_the_switches_name(arch, model_path):
         assert adapter.weights[path].lora_b.shape == (weight.shape[0], weight.shape[1], 2)
     mlp_off = engine.create_adapter("b", LoraConfig(rank=2, train_mlp=False, train_unembed=False))
     assert not set(mlp_off.weights) & set(experts)
+
+
+def test_a_model_with_experts_is_marked_moe_and_never_sampled(arch, model_path):
+    """The sampler's refusal follows whether the model has fused experts, not which family it is: a new MoE
+    row that forgot `moe=True` would reach vLLM's CPU MoE, which fails with an expert LoRA."""
+    engine = TrainerEngine(model_path)
+    has_experts = any(isinstance(m, MultiLoRAExperts) for m in engine.model.modules())
+    assert has_experts == arch.moe
+    assert sampling_refusal(arch.model_type) == (MOE_SAMPLING if has_experts else "")
 
 
 ROPE = {  # rope_parameters of real configs (Llama 3.1's llama3, YaRN, linear, dynamic NTK), on tiny Llamas

@@ -1,9 +1,9 @@
-"""LoRA on a mixture of experts (workers/trainer/moe_experts.py), on `loraplex/tiny-qwen3-moe`: the
-(adapter, expert) segment layout equals its plain reference; two tenants in one pass get the bits each
-gets alone, though every expert's row count then differs; the PEFT export (peft's target_parameters)
-loads in peft with the trainer's logprobs; a training state carries the expert weights; and sampling is
-refused by name, never attempted. (Logprobs, gradients and the AdamW step against peft, SFT and the
-drawn batch compositions: test_architectures.py's qwen3_moe row.)"""
+"""LoRA on a mixture of experts (workers/trainer/moe_experts.py), on every MoE family's tiny model
+(`loraplex/tiny-qwen3-moe`, `-mixtral`, `-olmoe`): the (adapter, expert) segment layout equals its plain
+reference; two tenants in one pass get the bits each gets alone, though every expert's row count then
+differs; the PEFT export (peft's target_parameters) loads in peft with the trainer's logprobs; a training
+state carries the expert weights; and sampling is refused by name, never attempted. (Logprobs, gradients
+and the AdamW step against peft, SFT and the drawn batch compositions: test_architectures.py's MoE rows.)"""
 
 from __future__ import annotations
 
@@ -16,22 +16,28 @@ from loraplex.types import AdamParams
 
 from contract.configs import LoraConfig
 from contract.inputs import ForwardBackwardInput
-from models.architectures import MOE_SAMPLING
+from models.architectures import ARCHITECTURES, MOE_SAMPLING
 from models.registry import model_info, resolve_model
 from tests.workers.trainer.peft_reference import random_datum, rel_err, target_logprobs
 from tests.workers.trainer.test_engine_parity import make_engine
 from workers.trainer.lora_layers import RoutingPlan
 from workers.trainer.moe_experts import MultiLoRAExperts, reference_experts, routed_experts
 
-MOE = "loraplex/tiny-qwen3-moe"
+# every MoE family's tiny model: the experts code is shared, their routers and attention differ
+MOE_MODELS = sorted(a.tiny for a in ARCHITECTURES.values() if a.moe)
 ADAPTERS = {"a": LoraConfig(rank=4, alpha=16, seed=1, train_unembed=False),
             "b": LoraConfig(rank=2, alpha=4, seed=2, train_attn=False, train_unembed=False)}
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
 
 
+@pytest.fixture(scope="module", params=MOE_MODELS)
+def moe(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def moe_path():
-    return resolve_model(MOE)
+def moe_path(moe):
+    return resolve_model(moe)
 
 
 def requests(vocab: int) -> dict[str, ForwardBackwardInput]:
@@ -126,7 +132,7 @@ def test_a_training_state_carries_the_expert_weights(moe_path, tmp_path):
         assert torch.equal(restored.optimizer_state[key], value)
 
 
-def test_sampling_on_a_moe_base_model_is_refused_by_name(tmp_path):
+def test_sampling_on_a_moe_base_model_is_refused_by_name(moe, tmp_path):
     from api.app import create_app
     from db.session import make_engine as db_engine
     from db.session import make_session_factory, upgrade_to_head
@@ -135,8 +141,8 @@ def test_sampling_on_a_moe_base_model_is_refused_by_name(tmp_path):
     from service.embedded import build_sampling
     from service.settings import Settings
 
-    info = model_info(MOE)
-    settings = Settings(data_dir=tmp_path, base_model=MOE)
+    info = model_info(moe)
+    settings = Settings(data_dir=tmp_path, base_model=moe)
     upgrade_to_head(settings.resolved_database_url)
     sessions = make_session_factory(db_engine(settings.resolved_database_url))
     sampling, unavailable = build_sampling(settings, info, sessions, Notifier())
@@ -194,7 +200,7 @@ def test_adapters_of_one_layout_stack_their_linear_layers_and_equal_peft(moe_pat
     assert stacked and all(s is not None and not any(".experts." in p for p in s.paths) for s in stacked)
 
 
-def test_the_merged_export_gives_the_trainers_logprobs(moe_path, tmp_path):
+def test_the_merged_export_gives_the_trainers_logprobs(moe, moe_path, tmp_path):
     """save_weights_external merges with peft's merge_and_unload: every expert's B A lands in its own slice."""
     from transformers import AutoModelForCausalLM
 
@@ -202,7 +208,7 @@ def test_the_merged_export_gives_the_trainers_logprobs(moe_path, tmp_path):
 
     engine = make_engine(moe_path, ADAPTERS)
     request = requests(engine.vocab_size)["a"]
-    export = engine.save_external_weights("a", tmp_path / "external", "loraplex/tiny-qwen3-moe")
+    export = engine.save_external_weights("a", tmp_path / "external", moe)
     merged = AutoModelForCausalLM.from_pretrained(export / MERGED, dtype=torch.float32, attn_implementation="eager")
     base = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
     moved = (merged.model.layers[0].mlp.experts.gate_up_proj - base.model.layers[0].mlp.experts.gate_up_proj)
@@ -214,7 +220,7 @@ def test_the_merged_export_gives_the_trainers_logprobs(moe_path, tmp_path):
             assert rel_err(out["logprobs"], lp) <= 1e-5
 
 
-def test_the_official_sdk_trains_a_moe_model_and_is_told_sampling_is_refused(tmp_path):
+def test_the_official_sdk_trains_a_moe_model_and_is_told_sampling_is_refused(moe, tmp_path):
     """A served MoE, end to end with the tinker SDK: SFT steps lower the loss; a sampler of the saved weights
     answers a 400 naming the limitation, not a failure inside vLLM."""
     import tinker
@@ -222,10 +228,10 @@ def test_the_official_sdk_trains_a_moe_model_and_is_told_sampling_is_refused(tmp
 
     from tests.servers import running_server
 
-    with running_server(tmp_path, base_model=MOE) as server:
+    with running_server(tmp_path, base_model=moe) as server:
         assert server.embedded.sampling is None  # no vLLM engine started for it
         service = tinker.ServiceClient(base_url=server.base_url, api_key=server.new_tenant())
-        training = service.create_lora_training_client(base_model=MOE, rank=8)
+        training = service.create_lora_training_client(base_model=moe, rank=8)
         tokens = list(range(3, 40))
         datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
