@@ -18,12 +18,17 @@ xgrammar is imported only by calls that need it.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from api.inference.errors import InferenceError
 
 FORMAT = "qwen_3"  # xgrammar's builder for Hermes' <tool_call>{"name", "arguments"}</tool_call> layout
+# JSON allows any whitespace between its tokens, and a model that knows no tool format (an untrained
+# policy, early in RL) fills a forced call's arguments with it until max_tokens cuts the call open. A run
+# of whitespace is capped: room for JSON pretty-printed four levels deep, never for a runaway.
+MAX_WHITESPACE_RUN = 16
 
 
 def named_tool(choice: Any, tools: list[dict], field: str = "tool_choice") -> str:
@@ -61,7 +66,7 @@ def structural_tag(tools: list[dict] | None, choice: str | dict, *, parallel: bo
     try:
         tag = xgrammar.get_model_structural_tag(FORMAT, tools=tools, tool_choice=choice, reasoning="disabled",
                                                 parallel_tool_calls=parallel)
-        text = tag.model_dump_json(exclude_none=True)
+        text = json.dumps(_capped_whitespace(tag.model_dump(exclude_none=True)), separators=(",", ":"))
         xgrammar.Grammar.from_structural_tag(text)  # a schema xgrammar cannot compile: refused here, by name
     except Exception as e:  # xgrammar's message, without its log prefix ("[time] file.cc:line: ")
         why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()[:200]
@@ -69,3 +74,15 @@ def structural_tag(tools: list[dict] | None, choice: str | dict, *, parallel: bo
                                   f"can hold: {why}") from None
     return text
 
+
+
+def _capped_whitespace(node: Any) -> Any:
+    """The structural tag's JSON arguments with whitespace runs capped at MAX_WHITESPACE_RUN."""
+    if isinstance(node, dict):
+        node = {key: _capped_whitespace(value) for key, value in node.items()}
+        if node.get("type") == "json_schema":
+            node["max_whitespace_cnt"] = MAX_WHITESPACE_RUN
+        return node
+    if isinstance(node, list):
+        return [_capped_whitespace(item) for item in node]
+    return node

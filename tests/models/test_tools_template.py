@@ -98,7 +98,7 @@ def test_the_agent_example_calls_its_calculator_as_a_tool(server, tmp_path, monk
     # the untrained model solves nothing: score by the final reply's length parity, so that groups disagree
     monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: float(len(episode.final) % 2))
     summary = agent_rl.run(loraplex.ServiceClient(base_url=base_url, api_key=key), MODEL, steps=1,
-                           prompts_per_step=2, group_size=3, max_turns=2, max_tokens=120, held_out=2,
+                           prompts_per_step=2, group_size=3, max_turns=2, max_tokens=256, held_out=2,
                            eval_every=1, results=tmp_path)
     assert summary["protocol"] == "tools"
     [_, step] = [json.loads(line) for line in (tmp_path / "agent_rl.jsonl").read_text().splitlines()]
