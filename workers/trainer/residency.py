@@ -10,7 +10,8 @@ after a restart the first cycles can pass the budget by their own runs, and the 
 again once they are in). A cycle's own runs, and runs halfway through a request in parts, are never
 paged out. A cycle whose runs together exceed the budget runs in groups that fit (`groups`), one
 after another; a lone run larger than the budget still runs, over it, and create_model refuses a
-run whose stepped state could never fit (docs/memory.md).
+run whose stepped state could never fit (docs/memory.md). Page-ins of runs the scheduler said were
+coming are read ahead (workers/trainer/prefetch.py): `prefetch_hits` and `prefetch_misses` count them.
 
 The budget: `budget_bytes` given, else a fraction of the memory the adapters live in (the GPU's on
 CUDA, the machine's RAM on CPU); 0 keeps every run resident. Operators read the numbers at /metrics
