@@ -2,15 +2,21 @@
 disk, and what a paged-out run's step costs, against the same active runs with nothing paged.
 
     .venv/bin/python -m benchmarks.many_runs [--runs 1000] [--active 0.1] [--rounds 3] [--budget-gib 6] \
-        [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--clients 4]   # from the repository root
+        [--repeats 1] [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--clients 4] [--compare-prefetch]
 
 It starts `python -m service serve` (no sampler) in a process of its own, so the RSS it samples every
 second is the server's. Phase 1: `runs` rank-8 runs, created and stepped once each (a forward_backward
 of 2 x 32 tokens, then an optim_step), round-robin over `clients` concurrent HTTP clients; the trainer
 pages the least recently used out past its budget (LORAPLEX_TRAINER_MEMORY_BUDGET). Phase 2: a random
-`active` share of the runs steps `rounds` times: the first round finds them paged out (cold), the later
-ones resident. Phase 3: a second server holds only those active runs (never paged) and steps them the
-same way: their throughput against phase 2's resident rounds is what the budget costs the active set.
+`active` share of the runs, drawn from the first half created (paged out by then when the budget holds
+less than half of them), steps `rounds` times: the first round finds them paged out (cold), the later
+ones resident (`repeats` times, the active runs paged out again before each). With --compare-prefetch,
+phases 1 and 2 run on two servers, one reading paged-out runs back ahead of their cycle (the default),
+one not (LORAPLEX_TRAINER_PREFETCH_BYTES=0): what prefetch buys a cold step (docs/memory.md). Phase 3:
+a server without a budget holds only as many runs (never paged) and steps them the same way: their
+throughput against phase 2's resident rounds is what the budget costs the active set. All servers are
+up at once, but each phase and each round runs on one at a time, the servers taking turns round by
+round, so that other load on the machine falls on all alike and none competes with another.
 The disk's read bandwidth is measured with O_DIRECT on a file the size of one run's state, for what
 one page-in should cost. Writes benchmarks/results/many_runs.md unless --no-write.
 """
@@ -26,11 +32,13 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 import typer
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.wire.client import encode_forward_backward_request
 from service.embedded import free_port
@@ -90,12 +98,14 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class Server:
-    def __init__(self, data_dir: Path, budget_gib: float | None) -> None:
+    def __init__(self, data_dir: Path, budget_gib: float | None, prefetch: bool = True) -> None:
         self.port, self.data_dir = free_port(), data_dir
         env = os.environ | {"LORAPLEX_BASE_MODEL": MODEL, "LORAPLEX_SAMPLER_ENABLED": "false",
                             "LORAPLEX_MAX_LORA_RANK": "16", "LORAPLEX_TRAINER_MEMORY_FRACTION": "0"}
         if budget_gib is not None:
             env["LORAPLEX_TRAINER_MEMORY_BUDGET"] = str(int(budget_gib * 2**30))
+        if not prefetch:
+            env["LORAPLEX_TRAINER_PREFETCH_BYTES"] = "0"
         self.process = start_service("serve", env, "--port", str(self.port), "--data-dir", str(data_dir))
         self.base_url = f"http://127.0.0.1:{self.port}"
         wait_healthy(self.process, self.base_url, seconds=600)
@@ -115,6 +125,12 @@ class Server:
     def session(self) -> str:
         with self.client() as http:
             return http.post("/api/v1/create_session", json={"tags": [], "user_metadata": {}}).json()["session_id"]
+
+    def metric(self, name: str) -> float:
+        """One of the server's Prometheus numbers (0 if it has none)."""
+        text = httpx.get(f"{self.base_url}/metrics").text
+        return next((s.value for family in text_string_to_metric_families(text) for s in family.samples
+                     if s.name == name), 0.0)
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,14 +154,11 @@ def create_and_step(server: Server, count: int, clients: int) -> list[Run]:
     return in_parallel(clients, list(range(count)), make)
 
 
-def rounds_of(runs: list[Run], rounds: int, clients: int) -> list[tuple[list[float], float]]:
-    """Each round: every run steps once; (step latencies, steps per second)."""
-    out = []
-    for r in range(rounds):
-        started = time.perf_counter()
-        latencies = in_parallel(clients, runs, lambda run: run.step(np.random.default_rng(1000 + r)))
-        out.append((latencies, len(runs) / (time.perf_counter() - started)))
-    return out
+def a_round(runs: list[Run], clients: int, seed: int) -> tuple[list[float], float]:
+    """Every run steps once: (step latencies, steps per second)."""
+    started = time.perf_counter()
+    latencies = in_parallel(clients, runs, lambda run: run.step(np.random.default_rng(seed)))
+    return latencies, len(runs) / (time.perf_counter() - started)
 
 
 def disk_read_bytes_per_second(folder: Path, size: int) -> float:
@@ -172,68 +185,126 @@ def du(folder: Path) -> int:
     return int(subprocess.run(["du", "-sb", str(folder)], capture_output=True, text=True).stdout.split()[0])
 
 
-def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, budget_gib: float = 6.0, clients: int = 4,
-         model: str = MODEL, write: bool = True) -> None:
+@dataclass
+class Bench:
+    """One server of the comparison, and what was measured on it."""
+
+    server: Server
+    prefetch: bool | None  # None: the server without a budget (never pages)
+    runs: list[Run] = field(default_factory=list)
+    active: list[Run] = field(default_factory=list)
+    cold: list[float] = field(default_factory=list)  # step latencies of paged-out runs
+    warm: list[float] = field(default_factory=list)  # of resident ones
+    warm_rates: list[float] = field(default_factory=list)  # steps per second of the active set, resident
+    phase1_seconds: float = 0.0
+    base_rss: int = 0
+
+    @property
+    def name(self) -> str:
+        return "never paged" if self.prefetch is None else f"prefetch {'on' if self.prefetch else 'off'}"
+
+    def peak_rss(self) -> int:
+        return max(v for _, v in self.server.rss)
+
+
+def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 1, budget_gib: float = 6.0,
+         clients: int = 4, model: str = MODEL, compare_prefetch: bool = False, write: bool = True) -> None:
+    """repeats: phase 2 that many times, the active runs paged out again before each (every run of the second
+    half steps once: the budget must hold fewer)."""
     global MODEL
     MODEL = model
-    rng = random.Random(0)
+    active_runs = max(1, int(active * runs))
+    settings = (False, True) if compare_prefetch else (True,)
     with tempfile.TemporaryDirectory(prefix="many-runs-") as tmp:
         tmp = Path(tmp)
-        server = Server(tmp / "paged", budget_gib)
+        # All servers up at once; each phase and round runs on one server at a time, taking turns, so that
+        # other load on the machine falls on all alike and no server competes with another.
+        benches: list[Bench] = []
         try:
-            base_rss = rss_bytes(server.process.pid)
-            started = time.monotonic()
-            all_runs = create_and_step(server, runs, clients)
-            warm_seconds = time.monotonic() - started
-            chosen = rng.sample(all_runs, max(1, int(active * runs)))
-            paged_rounds = rounds_of(chosen, rounds, clients)
-            live = tmp / "paged" / "live"
+            for prefetch in (*settings, None):
+                folder = tmp / ("resident" if prefetch is None else f"paged-{'on' if prefetch else 'off'}")
+                benches.append(Bench(Server(folder, budget_gib if prefetch is not None else None,
+                                            prefetch is not False), prefetch))
+            paged, alone = benches[:-1], benches[-1]
+            for bench in benches:
+                bench.base_rss = rss_bytes(bench.server.process.pid)
+                started = time.monotonic()
+                bench.runs = create_and_step(bench.server, runs if bench.prefetch is not None else active_runs, clients)
+                bench.phase1_seconds = time.monotonic() - started
+                # the same active set (by creation order) on every paged server, drawn from the first half
+                first_half = bench.runs[: max(1, runs // 2)]
+                bench.active = (random.Random(0).sample(first_half, active_runs) if bench.prefetch is not None
+                                else bench.runs)
+            for repeat in range(repeats):
+                if repeat:  # page the active runs out again: the runs of the second half step once
+                    for bench in paged:
+                        a_round(bench.runs[runs // 2:], clients, 7)
+                for r in range(rounds):
+                    for bench in benches:  # taking turns
+                        latencies, rate = a_round(bench.active, clients, 1000 + r)
+                        if r == 0 and bench.prefetch is not None:
+                            bench.cold += latencies
+                        else:
+                            bench.warm += latencies
+                            bench.warm_rates.append(rate)
+            counts = {b.name: {name: b.server.metric(f"loraplex_trainer_{name}") for name in (
+                "prefetch_hits_total", "prefetch_misses_total", "page_in_seconds_count", "page_in_seconds_sum")}
+                for b in paged}
+            live = tmp / paged[-1].name.replace("prefetch ", "paged-") / "live"
             disk_per_run = du(live) / runs
-            idle = next(run for run in all_runs if run not in chosen)
+            idle = next(run for run in paged[-1].runs if run not in paged[-1].active)
             # a paged-out run: its one copy, in either of its two slots (storage/live_slots.py)
             state_bytes = sum(du(Path(slot)) for slot in slot_paths(str(live), idle.model_id))
         finally:
-            server.stop()
-        rss = server.rss
-        alone = Server(tmp / "resident", None)
-        try:
-            resident_runs = create_and_step(alone, len(chosen), clients)
-            resident_rounds = rounds_of(resident_runs, rounds, clients)
-        finally:
-            alone.stop()
+            for bench in benches:
+                bench.server.stop()
         bandwidth = disk_read_bytes_per_second(tmp, state_bytes or 34 * MB)
 
-    cold, warm = paged_rounds[0][0], [x for lat, _ in paged_rounds[1:] for x in lat]
-    resident = [x for lat, _ in resident_rounds[1:] for x in lat]
-    rate_paged = statistics.median(rate for _, rate in paged_rounds[1:])
-    rate_resident = statistics.median(rate for _, rate in resident_rounds[1:])
-    peak_after_warm = max((value for t, value in rss if t > started + 0.5 * warm_seconds), default=0)
+    page_in_ms = state_bytes / bandwidth * 1000
+    rate_alone = statistics.median(alone.warm_rates)
+    ms = lambda values, q: f"{pct(values, q) * 1000:.0f}"  # noqa: E731
+
+    def row(what: str, cell) -> str:
+        return f"| {what} | " + " | ".join(cell(b) for b in paged) + " |"
+
+    def on_path(b: Bench) -> str:
+        c = counts[b.name]
+        mean = c["page_in_seconds_sum"] / c["page_in_seconds_count"] * 1000 if c["page_in_seconds_count"] else 0
+        return f"{c['prefetch_hits_total']:.0f} / {c['prefetch_misses_total']:.0f}; {mean:.1f} ms"
+
+    extra = lambda b: (pct(b.cold, 0.5) - pct(b.warm, 0.5)) * 1000  # noqa: E731
     lines = [
-        "| measure | value |", "|---|---|",
-        f"| runs (rank 8, {model}) / active set | {runs} / {len(chosen)} |",
-        f"| memory budget | {budget_gib:g} GiB |",
-        f"| server RSS: after start / peak, second half of phase 1 / peak overall | {base_rss / 2**30:.2f} / "
-        f"{peak_after_warm / 2**30:.2f} / {max(v for _, v in rss) / 2**30:.2f} GiB |",
-        f"| disk per run (live slots, after phase 2) | {disk_per_run / MB:.1f} MB |",
-        f"| one run's state / the disk's O_DIRECT read bandwidth / so one page-in should take | "
-        f"{state_bytes / MB:.1f} MB / {bandwidth / MB:.0f} MB/s / {state_bytes / bandwidth * 1000:.0f} ms |",
-        f"| step (forward_backward + optim_step) latency, paged-out run (round 1), p50 / p99 | "
-        f"{pct(cold, 0.5) * 1000:.0f} / {pct(cold, 0.99) * 1000:.0f} ms |",
-        f"| the same, resident (rounds 2-{rounds}), p50 / p99 | {pct(warm, 0.5) * 1000:.0f} / "
-        f"{pct(warm, 0.99) * 1000:.0f} ms |",
-        f"| the same runs on a server that never paged, p50 / p99 | {pct(resident, 0.5) * 1000:.0f} / "
-        f"{pct(resident, 0.99) * 1000:.0f} ms |",
-        f"| **active-set throughput, paged server / never paged** | {rate_paged:.2f} / {rate_resident:.2f} steps/s "
-        f"(**{rate_paged / rate_resident:.2f}x**) |",
-        f"| phase 1: create + step of {runs} runs | {warm_seconds:.0f} s |",
+        "| measure | " + " | ".join(b.name if compare_prefetch else "value" for b in paged) + " |",
+        "|---|" + "---|" * len(paged),
+        row(f"runs (rank 8, {model}) / active set", lambda b: f"{runs} / {active_runs}"),
+        row("memory budget", lambda b: f"{budget_gib:g} GiB"),
+        row("server RSS: after start / peak", lambda b: f"{b.base_rss / 2**30:.2f} / {b.peak_rss() / 2**30:.2f} GiB"),
+        row("disk per run (live slots, after phase 2)", lambda b: f"{disk_per_run / MB:.1f} MB"),
+        row("one run's state / the disk's O_DIRECT read bandwidth / so one page-in should take",
+            lambda b: f"{state_bytes / MB:.1f} MB / {bandwidth / MB:.0f} MB/s / {page_in_ms:.0f} ms"),
+        row("page-ins read ahead / read on the cycle's path; mean page-in time on the cycle's path",
+            on_path),
+        row(f"step (forward_backward + optim_step) latency, paged-out run ({repeats} x round 1), p50 / p99",
+            lambda b: f"{ms(b.cold, 0.5)} / {ms(b.cold, 0.99)} ms"),
+        row(f"the same, resident (rounds 2-{rounds}), p50 / p99", lambda b: f"{ms(b.warm, 0.5)} / {ms(b.warm, 0.99)} ms"),
+        row("**a cold step's extra latency, p50** (paged-out minus resident)",
+            lambda b: f"**{extra(b):.0f} ms** ({extra(b) / page_in_ms:.1f} page-ins)"),
+        row("the same runs on a server that never paged, p50 / p99",
+            lambda b: f"{ms(alone.warm, 0.5)} / {ms(alone.warm, 0.99)} ms"),
+        row("**active-set throughput, paged server / never paged** (median of resident rounds)",
+            lambda b: f"{statistics.median(b.warm_rates):.2f} / {rate_alone:.2f} steps/s "
+                      f"(**{statistics.median(b.warm_rates) / rate_alone:.2f}x**)"),
+        row(f"phase 1: create + step of {runs} runs", lambda b: f"{b.phase1_seconds:.0f} s"),
     ]
     print("\n".join(lines))
     if write:
-        rss_trace = [(round(t - rss[0][0]), round(v / 2**30, 2)) for t, v in rss[::30]]
+        traces = "\n".join(f"Server RSS every 30 s (s, GiB), {b.name}: " + json.dumps(
+            [(round(t - b.server.rss[0][0]), round(v / 2**30, 2)) for t, v in b.server.rss[::30]]) for b in paged)
         RESULTS.write_text(
             f"Command: `.venv/bin/python -m benchmarks.many_runs --runs {runs} --active {active:g} --rounds {rounds} "
-            f"--budget-gib {budget_gib:g} --clients {clients}` (`python -m service serve`, no sampler)\n\n"
-            + "\n".join(lines) + f"\n\nServer RSS every 30 s (s, GiB): {json.dumps(rss_trace)}\n")
+            f"--repeats {repeats} --budget-gib {budget_gib:g} --clients {clients}"
+            f"{' --compare-prefetch' if compare_prefetch else ''}` (`python -m service serve`, no sampler)\n\n"
+            + "\n".join(lines) + f"\n\n{traces}\n")
 
 
 if __name__ == "__main__":
