@@ -86,6 +86,16 @@ def peft_weights(weights: dict) -> dict:
     return tensors
 
 
+def write_peft_files(folder: Path, config: LoraConfig, base_model_path: str | Path, pairs: dict) -> None:
+    """`adapter_config.json` and `adapter_model.safetensors` of an adapter's {module or parameter path: (A, B)}
+    (the trainer's layout; tensors that share no storage: safetensors refuses views of one) into `folder`."""
+    from safetensors.torch import save_file
+
+    experts = expert_target_parameters(path for path, (a, _) in pairs.items() if a.dim() == 3)
+    peft_config(config, base_model_path, experts).save_pretrained(folder)
+    save_file(peft_weights(pairs), folder / PEFT_WEIGHTS, metadata={"format": "pt"})
+
+
 def read_verified_state(location: str | Path) -> tuple[dict, dict]:
     """A training state's manifest and tensors (torch), its tensors file checked against the manifest."""
     from safetensors.torch import load as load_bytes
@@ -99,19 +109,14 @@ def read_verified_state(location: str | Path) -> tuple[dict, dict]:
 
 def export_peft_from_state(state: str | Path, dest: str | Path, base_model_path: str | Path) -> Path:
     """Write a training-state checkpoint's weights as a PEFT folder (what save_peft_adapter writes)."""
-    from safetensors.torch import save_file
-
     manifest, tensors = read_verified_state(state)
     pairs = {}  # weight/<module path>.lora_A and .lora_B -> <module path>: (A, B)
     for name, tensor in tensors.items():
         if name.startswith("weight/") and name.endswith(".lora_A"):
             path = name.removeprefix("weight/").removesuffix(".lora_A")
             pairs[path] = (tensor, tensors[f"weight/{path}.lora_B"])
-    weights = peft_weights(pairs)
-    experts = expert_target_parameters(path for path, (a, _) in pairs.items() if a.dim() == 3)
     with store.writing(dest) as tmp:
-        peft_config(LoraConfig(**manifest["lora_config"]), base_model_path, experts).save_pretrained(tmp)
-        save_file(weights, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+        write_peft_files(tmp, LoraConfig(**manifest["lora_config"]), base_model_path, pairs)
         (tmp / SNAPSHOT_METADATA).write_text(json.dumps({"policy_version": manifest["step"],
                                                           "adapter_id": manifest["adapter_id"]}))
         write_snapshot_manifest(tmp)

@@ -24,7 +24,6 @@ from contract.errors import InvalidInputError
 from storage import store
 from storage.checkpoint_files import (
     MANIFEST,
-    PEFT_WEIGHTS,
     SNAPSHOT_METADATA,
     STATE_FORMAT,
     STATE_TENSORS,
@@ -32,7 +31,7 @@ from storage.checkpoint_files import (
     sha256_file,
     write_snapshot_manifest,
 )
-from storage.peft_export import expert_target_parameters, peft_config, peft_weights, read_verified_state
+from storage.peft_export import read_verified_state, write_peft_files
 from workers.trainer.adapters import OPTIMIZER_STATE, Adapter, LoraWeights, lora_shapes
 
 # --- PEFT folder (sampler weights) -------------------------------------------------------------
@@ -44,12 +43,10 @@ def save_peft_adapter(
     """Write `adapter_config.json` + `adapter_model.safetensors` that peft and vLLM load as-is;
     `metadata` goes to `loraplex.json` beside them (e.g. the policy version the snapshot is)."""
     # copies: the matrices are views of one flat tensor, and safetensors refuses shared storage
-    tensors = {name: t.clone() for name, t in peft_weights(
-        {p: (w.lora_a.detach().to("cpu"), w.lora_b.detach().to("cpu")) for p, w in adapter.weights.items()}).items()}
-    experts = expert_target_parameters(p for p, w in adapter.weights.items() if w.lora_a.dim() == 3)
+    pairs = {p: (w.lora_a.detach().to("cpu", copy=True), w.lora_b.detach().to("cpu", copy=True))
+             for p, w in adapter.weights.items()}
     with store.writing(path) as tmp:
-        peft_config(adapter.config, base_model_path, experts).save_pretrained(tmp)
-        save_file(tensors, tmp / PEFT_WEIGHTS, metadata={"format": "pt"})
+        write_peft_files(tmp, adapter.config, base_model_path, pairs)
         if metadata is not None:
             (tmp / SNAPSHOT_METADATA).write_text(json.dumps(metadata))
         write_snapshot_manifest(tmp)
