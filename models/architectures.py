@@ -26,16 +26,15 @@ class Architecture:
     # whether the sampler (vLLM) applies a LoRA on the unembedding (lm_head): Gemma 2 ties it to the
     # embedding and vLLM gives it no LoRA slot, so train_unembed is refused there rather than dropped
     unembed_lora: bool = True
-    # why the sampler cannot serve models of this architecture ("" where it can): sampling is then refused
-    # with this reason (a 400 at create_sampling_session and on every sample), never attempted
-    no_sampling: str = ""
     # a mixture of experts (fused 3-D expert parameters, workers/trainer/moe_experts.py): its sampling is refused
     # for MOE_SAMPLING's reason, whatever the family (the tests check that every row whose model has experts says so)
     moe: bool = False
 
-    def __post_init__(self) -> None:
-        if self.moe and not self.no_sampling:
-            object.__setattr__(self, "no_sampling", MOE_SAMPLING)
+    @property
+    def no_sampling(self) -> str:
+        """Why the sampler cannot serve models of this architecture ("" where it can): sampling is then
+        refused with this reason (a 400 at create_sampling_session and on every sample), never attempted."""
+        return MOE_SAMPLING if self.moe else ""
 
 
 # vLLM 0.32's CPU build runs a LoRA-enabled mixture-of-experts layer only through its Triton MoE kernels,

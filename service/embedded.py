@@ -78,8 +78,8 @@ def build_sampling(settings: Settings, info, sessions, notifier: Notifier,
     """The sampling dispatcher and its (not yet started) vLLM engine, or None and why not."""
     if not settings.sampler_enabled:
         return None, "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)"
-    if sampling_refusal(info.arch):
-        return None, sampling_refusal(info.arch)
+    if refusal := sampling_refusal(info.arch):
+        return None, refusal
     if importlib.util.find_spec("vllm") is None:
         return None, "vLLM is not installed (pip install -e '.[sampler-cpu]', or '.[sampler-gpu]' on a GPU machine)"
     engine = SamplerEngine(SamplerConfig.from_settings(settings, info), compute)
