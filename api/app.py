@@ -23,22 +23,19 @@ from api.routes import (
     sessions, tokenizers, training, unsupported,
 )
 from api.routes import session_search, session_trace
+from api.served_models import ServedModels
 
 log = logging.getLogger(__name__)
 
 
-def create_app(*, settings, sessions_factory, scheduler, notifier, model_info, sampling_dispatcher=None,
-               sampling_unavailable: str = "") -> FastAPI:
-    """`scheduler` needs only `.submit(QueuedRequest)`; `model_info` describes the served base model;
-    `sampling_dispatcher` serves asample (None, with the reason, where this server cannot sample)."""
+def create_app(*, settings, sessions_factory, notifier, models: ServedModels) -> FastAPI:
+    """`models`: the base models served, each with its scheduler (anything with `.submit(QueuedRequest)`)
+    and sampler (api/served_models.py)."""
     app = FastAPI(title="Loraplex", version="0.1.0")
     app.state.settings = settings
     app.state.sessions = sessions_factory
-    app.state.scheduler = scheduler
     app.state.notifier = notifier
-    app.state.model_info = model_info
-    app.state.sampling = sampling_dispatcher
-    app.state.sampling_unavailable = sampling_unavailable
+    app.state.models = models
     app.state.tokens = issuer_from(settings)  # None: plain API keys only (jwt_auth off)
     for module in (service, auth, sessions, projects, training, copies, futures, sampling, runs, external_weights,
                    reports, run_metrics, unsupported, tokenizers, rollouts):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlalchemy as sa
-from fastapi import HTTPException, Request
+from fastapi import HTTPException
 from sqlalchemy.orm import Session
 
 from api.paths import TinkerPath
@@ -23,15 +23,18 @@ def owned_model(db: Session, tenant_id: str, model_id: str) -> TrainingModel:
     return row
 
 
-def check_owned_model(db: Session, tenant_id: str, model_id: str) -> None:
-    """owned_model without loading the row: the hot routes (forward_backward, optim_step) only check.
-    They train, so a run that holds a copied checkpoint (copy_weights) is refused too."""
-    row = db.execute(sa.select(TrainingModel.tenant_id, TrainingModel.deleted_at, TrainingModel.copied_from)
+def check_owned_model(db: Session, tenant_id: str, model_id: str) -> str:
+    """owned_model without loading the row: the hot routes (forward_backward, optim_step) only check, and
+    learn the run's base model (returned). They train, so a run that holds a copied checkpoint
+    (copy_weights) is refused too."""
+    row = db.execute(sa.select(TrainingModel.tenant_id, TrainingModel.deleted_at, TrainingModel.copied_from,
+                               TrainingModel.base_model)
                      .where(TrainingModel.id == model_id)).first()
     _refuse_unless_owned(row, tenant_id, model_id)
     if row.copied_from is not None:
         raise HTTPException(400, f"model_id: run {model_id!r} holds a copy of {row.copied_from} and cannot be "
                                  "trained; create a training client from the copy's path instead")
+    return row.base_model
 
 
 def _refuse_unless_owned(row, tenant_id: str, model_id: str) -> None:
@@ -44,28 +47,6 @@ def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:
     if row is None or row.tenant_id != tenant_id:
         raise HTTPException(404, f"sampling_session_id: no sampler {sampler_id!r}")
     return row
-
-
-def serves(request: Request, name: str) -> bool:
-    """Whether `name` is the served base model: its hub id or one of its aliases."""
-    from models.registry import hub_id
-
-    return hub_id(name) == request.app.state.model_info.name
-
-
-def served_names(request: Request) -> str:
-    """The served model's names, for an error: "'loraplex/tiny' (also named 'tiny')"."""
-    from models.registry import names_of
-
-    name, *aliases = names_of(request.app.state.model_info.name)
-    return repr(name) + (f" (also named {', '.join(map(repr, aliases))})" if aliases else "")
-
-
-def served_model(request: Request, base_model: str) -> str:
-    """The served model's hub id if `base_model` names it (by hub id or an alias); 400 otherwise."""
-    if not serves(request, base_model):
-        raise HTTPException(400, f"base_model: {base_model[:200]!r} is not served here; served: {served_names(request)}")
-    return request.app.state.model_info.name
 
 
 def resolve_checkpoint(db: Session, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:

@@ -128,12 +128,13 @@ def record_refusal(app_state: Any, api_key: str | None, model_id: str, seq_id: i
     with app_state.sessions() as db:
         tenant = tenant_of_key(db, api_key, app_state.tokens)
         owner = db.get(TrainingModel, model_id) if tenant is not None else None
-        if owner is None or owner.tenant_id != tenant.id or owner.deleted_at is not None:
+        base = app_state.models.find(owner.base_model) if owner is not None else None
+        if owner is None or owner.tenant_id != tenant.id or owner.deleted_at is not None or base is None:
             return False
         window = seq_window(db, model_id)
         if window is None or not window[0] <= seq_id <= window[1]:
             return False  # already run (a retry: the original answers it) or absurd (refused, not recorded)
-        submit(app_state.scheduler, db, tenant_id=tenant.id, model_id=model_id, seq_id=seq_id,
+        submit(base.scheduler, db, tenant_id=tenant.id, model_id=model_id, seq_id=seq_id,
                kind=RequestKind.REJECTED, payload=RejectedPayload().to_bytes(),
                error={"error": error, "category": "user"})
         return True

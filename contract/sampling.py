@@ -55,6 +55,9 @@ class SampleJob:
     # distributed mode: the Redis channel of the API replica that follows the stream (workers/sampler/
     # stream_channels.py); None: it is followed in this process
     stream_to: str | None = None
+    # the hub id of the base model sampled, for a server serving several (api/served_models.py); None: its
+    # first (a job stored before it said which)
+    base_model: str | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()

@@ -23,9 +23,10 @@ class RemoteStreams:
 
     streams = True  # generate_stream's test for a sampler that streams
 
-    def __init__(self, client: redis.Redis, notifier: Notifier, base_model: str) -> None:
+    def __init__(self, client: redis.Redis, notifier: Notifier, base_model: str, channel: str | None = None) -> None:
+        """`channel`: the replica's, where it already has one (for another base model); else a new one."""
         self.redis, self.notifier, self.base_model = client, notifier, base_model
-        self.channel = replica_channel()
+        self.channel = channel or replica_channel()
 
     def deliver(self, message: dict) -> None:
         """A message on this replica's channel: one job's new tokens, to the calls that follow it."""

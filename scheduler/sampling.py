@@ -34,8 +34,11 @@ class SamplingDispatcher:
     over Celery sampler workers; both call back with each outcome."""
 
     def __init__(self, sessions: sessionmaker[Session], engine, notifier: Notifier,
-                 max_pending: int) -> None:
+                 max_pending: int, base_model: str | None = None) -> None:
         self.sessions = sessions
+        # the hub id of the base model its engine samples, where a database holds samples of several
+        # (api/served_models.py); None: it recovers every sample
+        self.base_model = base_model
         self.engine = engine
         self.notifier = notifier
         self.max_pending = max_pending
@@ -76,6 +79,8 @@ class SamplingDispatcher:
                 .order_by(Request.created_at)
             ).all()
             jobs = [SampleJob.from_json(row.payload) for row in rows]
+        # a job stored before jobs named their base model is taken by each (its outcome is written once more)
+        jobs = [job for job in jobs if self.base_model is None or job.base_model in (None, self.base_model)]
         for job in jobs:
             self.submit(job)
         return len(jobs)

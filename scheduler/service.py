@@ -82,8 +82,12 @@ class SchedulerService:
     def __init__(
         self, sessions: sessionmaker[Session], executor: Executor, token_budget: int, notifier: Notifier,
         gather_seconds: float = 0.0, seq_gap_seconds: float = 60.0, tenant_max_tokens_in_flight: int = 0,
+        base_model: str | None = None,
     ) -> None:
         self.sessions = sessions
+        # the hub id of the base model whose runs this scheduler trains, where a database holds runs of
+        # several (api/served_models.py); None: every run in it
+        self.base_model = base_model
         self.executor = executor
         self.planner = CyclePlanner(token_budget, tenant_max_tokens_in_flight=tenant_max_tokens_in_flight)
         self.notifier = notifier
@@ -116,13 +120,15 @@ class SchedulerService:
         its effects were never committed, since outcomes and model progress are stored together),
         and note what each model must replay first (`replaying`; `step` replays it). Samples are the
         sampling dispatcher's. Runs on the scheduler's thread (`start`): the API serves meanwhile."""
+        unfinished = (sa.select(Request)
+                      .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]),
+                             Request.kind != RequestKind.SAMPLE)
+                      .order_by(Request.created_at))
+        if self.base_model is not None:  # (every training request names its run)
+            unfinished = unfinished.join(TrainingModel, TrainingModel.id == Request.model_id) \
+                .where(TrainingModel.base_model == self.base_model)
         with self.sessions() as s:
-            rows = s.scalars(
-                sa.select(Request)
-                .where(Request.state.in_([RequestState.PENDING, RequestState.RUNNING]),
-                       Request.kind != RequestKind.SAMPLE)
-                .order_by(Request.created_at)
-            ).all()
+            rows = s.scalars(unfinished).all()
             for row in rows:
                 self.inbox.put(queued(row))
             # Local engines restarted with this process and lost their gradients; Celery workers
@@ -143,6 +149,8 @@ class SchedulerService:
         order: recomputed in that order (same payloads, same weights -> same results), their stored
         outcomes are kept."""
         live = sa.select(TrainingModel).where(TrainingModel.deleted_at.is_(None))
+        if self.base_model is not None:
+            live = live.where(TrainingModel.base_model == self.base_model)
         if only is not None:
             live = live.where(TrainingModel.id.in_(only))
         lost = {}

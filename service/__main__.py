@@ -13,12 +13,16 @@ from service.settings import Settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
-BASE_MODEL = typer.Option(None, help="registered model, hub id in the local Hugging Face cache, or HF folder (default: tiny)")
-MODEL_NAME = typer.Option(None, help="the hub id a folder --base-model is advertised under (e.g. Qwen/Qwen3-0.6B)")
+BASE_MODEL = typer.Option(None, help="registered model, hub id in the local Hugging Face cache, or HF folder (default: "
+                          "tiny); repeat it to serve several side by side")
+MODEL_NAME = typer.Option(None, help="the hub id a folder --base-model is advertised under (e.g. Qwen/Qwen3-0.6B); "
+                          "with several --base-model, one each in the same order ('' for one that is no folder)")
 DATA_DIR = typer.Option(None, help="SQLite database (unless LORAPLEX_DATABASE_URL), checkpoints, adapter state")
 
 
 def settings(**flags) -> Settings:
+    """Settings from the flags given (repeated ones joined by commas, as the environment spells them)."""
+    flags = {name: ",".join(value) if isinstance(value, list) else value for name, value in flags.items()}
     return Settings(**{name: value for name, value in flags.items() if value})
 
 
@@ -39,7 +43,7 @@ def main() -> None:
 
 
 @app.command()
-def serve(base_model: str = BASE_MODEL, model_name: str = MODEL_NAME, host: str = typer.Option(None),
+def serve(base_model: list[str] = BASE_MODEL, model_name: list[str] = MODEL_NAME, host: str = typer.Option(None),
           port: int = typer.Option(None), data_dir: Path = DATA_DIR) -> None:
     """Run the embedded server: API + scheduler + trainer (+ sampler) in one process."""
     from service.openmp import spin_between_parallel_regions
@@ -53,7 +57,7 @@ def serve(base_model: str = BASE_MODEL, model_name: str = MODEL_NAME, host: str 
 
 
 @app.command()
-def api(base_model: str = BASE_MODEL, model_name: str = MODEL_NAME, host: str = typer.Option(None),
+def api(base_model: list[str] = BASE_MODEL, model_name: list[str] = MODEL_NAME, host: str = typer.Option(None),
         port: int = typer.Option(None), data_dir: Path = DATA_DIR) -> None:
     """Run one API replica (distributed mode: needs Redis, a scheduler and Celery workers)."""
     from service.distributed import run_api

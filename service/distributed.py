@@ -1,7 +1,7 @@
 """Distributed mode: API replicas and one scheduler as separate processes, Celery workers beside them.
 
     python -m service api         # any number of replicas: HTTP, validation, the database, no engines
-    python -m service scheduler   # exactly one: orders and plans cycles, runs them on the workers
+    python -m service scheduler   # exactly one per base model: orders and plans cycles, runs them on the workers
     celery -A service.celery_worker worker ...    # trainer workers (one per device)
     celery -A service.sampler_worker worker ...   # sampler workers (one per device)
 
@@ -20,6 +20,7 @@ import prometheus_client
 import redis
 
 from api.app import create_app
+from api.served_models import ServedModel, ServedModels
 from contract.redis_keys import scheduler_key
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from messaging.bus import FinishedListener, FinishedPublisher, InboxConsumer, RedisInbox, RemoteSampling
@@ -48,18 +49,21 @@ def build_api(settings: Settings):
     """The FastAPI app of one API replica, and the listener that wakes its long-polls."""
     sessions = _database(settings)
     client = redis.Redis.from_url(settings.redis_url)
-    info = settings.served_model()
     notifier = Notifier()
-    inbox = RedisInbox(client, info.name)
-    refusal = sampling_refusal(info.arch)
-    sampling = (RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending)
-                if settings.sampler_enabled and not refusal else None)
-    app = create_app(settings=settings, sessions_factory=sessions, scheduler=inbox, notifier=notifier, model_info=info,
-                     sampling_dispatcher=sampling,
-                     sampling_unavailable=refusal or "the sampler is disabled (LORAPLEX_SAMPLER_ENABLED=false)")
-    # `stream: true`: tokens straight from the sampler workers, read with the finishes (messaging/remote_streams.py)
-    streams = RemoteStreams(client, notifier, info.name) if sampling is not None else None
-    app.state.sample_streams = streams
+    models, channel = [], None
+    for info in settings.served_models():  # each base model's requests go to its own scheduler's inbox
+        inbox = RedisInbox(client, info.name)
+        refusal = sampling_refusal(info.arch)
+        sampling = (RemoteSampling(inbox, sessions, info.name, settings.sampler_max_pending)
+                    if settings.sampler_enabled and not refusal else None)
+        # `stream: true`: tokens straight from the sampler workers, on one channel of this replica, read with
+        # the finishes (messaging/remote_streams.py)
+        streams = RemoteStreams(client, notifier, info.name, channel) if sampling is not None else None
+        channel = channel or (streams.channel if streams else None)
+        models.append(ServedModel(info, inbox, sampling, refusal or "the sampler is disabled "
+                                  "(LORAPLEX_SAMPLER_ENABLED=false)", streams))
+    app = create_app(settings=settings, sessions_factory=sessions, notifier=notifier, models=ServedModels(models))
+    streams = next((model.streams for model in models if model.streams is not None), None)
     return app, FinishedListener(client, notifier, streams)
 
 
@@ -72,15 +76,16 @@ class SchedulerProcess:
         info = settings.served_model()
         publisher = FinishedPublisher(client)
         self.executor = CeleryExecutor(settings.redis_url, info.name, settings.live_dir)
+        # the database may hold other base models' runs and samples, which their own schedulers take
         self.scheduler = SchedulerService(self.sessions, self.executor, settings.cycle_token_budget, publisher,
                                           settings.cycle_gather_seconds, settings.seq_gap_seconds,
-                                          settings.tenant_max_tokens_in_flight)
+                                          settings.tenant_max_tokens_in_flight, base_model=info.name)
         self.sampling = None
         if settings.sampler_enabled and not sampling_refusal(info.arch):
             from scheduler.remote_sampler import RemoteSamplerEngine
 
             self.sampling = SamplingDispatcher(self.sessions, RemoteSamplerEngine(settings.redis_url, info.name),
-                                               publisher, settings.sampler_max_pending)
+                                               publisher, settings.sampler_max_pending, info.name)
         self.inbox = InboxConsumer(client, info.name, self.scheduler, self.sampling, self.sessions)
         self.redis, self.base_model = client, info.name
         self.janitor = Janitor(self.sessions, settings.ephemeral_snapshot_grace_seconds)
@@ -123,7 +128,8 @@ def run_api(settings: Settings) -> None:
 
     app, listener = build_api(settings)
     listener.start()
-    print(f"Loraplex API for {settings.base_model} at http://{settings.host}:{settings.port}", flush=True)
+    names = ", ".join(model.name for model in app.state.models.all)
+    print(f"Loraplex API for {names} at http://{settings.host}:{settings.port}", flush=True)
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     finally:

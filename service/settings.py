@@ -32,11 +32,15 @@ class Settings(BaseSettings):
     store_cache: str = Field("", description="where the folders of a remote store_url are downloaded, once per version "
                              "(empty: loraplex-store-cache in the system's temp dir)")
     database_url: str = Field("", description="SQLAlchemy URL, e.g. postgresql+psycopg://... (empty: SQLite under data_dir)")
-    base_model: str = Field("tiny", description="a registered model's hub id or short name (tiny, SmolLM2-135M-Instruct; "
-                            "models/registry.py), a local Hugging Face folder, or any hub id in the local Hugging Face "
-                            "cache (downloaded first where the hub is reachable) (flag --base-model; docs/models.md)")
-    model_name: str = Field("", description="the hub id a folder base_model is advertised under, e.g. Qwen/Qwen3-0.6B, "
-                            "so clients load its tokenizer by that id (empty: the folder's path) (flag --model-name)")
+    base_model: str = Field("tiny", description="the base model served: a registered model's hub id or short "
+                            "name (tiny, SmolLM2-135M-Instruct; models/registry.py), a local Hugging Face folder, or "
+                            "any hub id in the local Hugging Face cache (downloaded first where the hub is reachable); "
+                            "several, comma-separated, are served side by side (flag --base-model, repeatable; "
+                            "docs/models.md)")
+    model_name: str = Field("", description="the hub id a folder base_model is advertised under, e.g. "
+                            "Qwen/Qwen3-0.6B, so clients load its tokenizer by that id (empty: the folder's path); "
+                            "with several base models, comma-separated in the same order, empty for those not folders "
+                            "(flag --model-name)")
     model_cache: Path = Field(registry.DEFAULT_CACHE_DIR, description="where registered base models are built or "
                               "converted, once (models/registry.py)")
     host: str = Field("127.0.0.1", description="the API's address (flag --host)")
@@ -63,7 +67,8 @@ class Settings(BaseSettings):
     compute_thread: bool | None = Field(
         None, description="embedded mode: the trainer's cycles and the sampler's steps take turns on one thread, so "
         "libgomp manages one OpenMP team and does not throttle (workers/compute_thread.py); false: each on a thread of "
-        "its own, overlapping (for machines with cores to spare for both); unset: on where there is no CUDA device")
+        "its own, overlapping (for machines with cores to spare for both); unset: on where there is no CUDA device or "
+        "several base models are served (their vLLM engines must take turns)")
     state_write_interval_seconds: float = Field(
         5.0, description="an adapter's durable training state is written at most this often; a crash "
         "replays up to this long of its work from the database (workers/trainer/live_state.py)")
@@ -166,11 +171,35 @@ class Settings(BaseSettings):
         """Where each adapter's durable training state goes (a store location)."""
         return store.join(self.store_root, "live")
 
+    @property
+    def base_models(self) -> list[tuple[str, str | None]]:
+        """(base_model, the name a folder is advertised under or None) of each model served, in order."""
+        sources = [part.strip() for part in self.base_model.split(",")]
+        names = [part.strip() for part in self.model_name.split(",")] if self.model_name else []
+        if len(names) > len(sources):
+            raise registry.ModelUnavailable(f"model_name: {len(names)} names for {len(sources)} base models")
+        if not all(sources):
+            raise registry.ModelUnavailable(f"base_model: {self.base_model!r} has an empty entry")
+        return [(source, names[i] if i < len(names) and names[i] else None) for i, source in enumerate(sources)]
+
+    def served_models(self) -> list[registry.ModelInfo]:
+        """The base models these settings serve, the first the default; registry.ModelUnavailable (its
+        message names why) if one cannot be, or two are the same model."""
+        infos = [registry.model_info(source, self.model_cache, name) for source, name in self.base_models]
+        names = [info.name for info in infos]
+        if len(set(names)) < len(names):
+            raise registry.ModelUnavailable(f"base_model: {self.base_model!r} names a model twice ({', '.join(names)})")
+        return infos
+
     def served_model(self) -> registry.ModelInfo:
-        """The base model these settings serve; registry.ModelUnavailable (its message names why) if it cannot be."""
-        return registry.model_info(self.base_model, self.model_cache, self.model_name or None)
+        """The one base model of a process that serves one (a scheduler, a Celery worker); ModelUnavailable
+        otherwise."""
+        if len(self.base_models) > 1:
+            raise registry.ModelUnavailable(f"base_model: a scheduler or worker serves one base model, not "
+                                            f"{self.base_model!r}; start one per base model")
+        return self.served_models()[0]
 
     def model_source(self, name: str) -> str:
-        """Where a run's base model `name` (as stored with the run) loads from: this deployment's folder when
-        `name` is the hub id it advertises that folder under, else the name itself."""
-        return self.base_model if self.model_name and name == self.model_name else name
+        """Where a run's base model `name` (as stored with the run) loads from: the folder this deployment
+        advertises under that hub id, else the name itself."""
+        return next((source for source, advertised in self.base_models if advertised == name), name)

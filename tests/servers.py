@@ -19,9 +19,10 @@ def running_server(data_dir: Path, **overrides) -> Iterator[ServerThread]:
                     sampler_kv_cache_gib=0.25)
     server = ServerThread(Settings(**(settings | overrides)))
     try:
-        if server.embedded.sampling is not None:
-            # a sampler that failed to start answers 503, which the SDK retries: fail here, with the cause
-            server.embedded.sampling.engine.wait_ready(300)
+        for stack in server.embedded.stacks:  # (one per base model served)
+            if stack.sampling is not None:
+                # a sampler that failed to start answers 503, which the SDK retries: fail here, with the cause
+                stack.sampling.engine.wait_ready(300)
         yield server
     finally:
         server.stop()

@@ -18,6 +18,7 @@ from api.dashboard.auth import CurrentViewer
 from api.dashboard.data import Step, router, visible_run
 from api.deps import DB
 from api.input_policy import readable
+from api.served_models import served
 from contract.kinds import RequestKind
 from db.models import Request as RequestRow
 from db.models import RequestState, RolloutSample, RolloutTrajectory, RolloutTurn
@@ -44,7 +45,7 @@ def rl_groups(run_id: str, request: Request, viewer: CurrentViewer, db: DB, sinc
     if steps:
         from api.inference.rendering import tokenizer_of  # transformers: loaded on first use
 
-        tokenizer = tokenizer_of(str(request.app.state.model_info.path))
+        tokenizer = tokenizer_of(str(served(request).stored(run.base_model, "run_id").info.path))
         for step in steps:
             for group in step["groups"]:
                 group["prompt_text"] = tokenizer.decode(group.pop("prompt_ids"))
@@ -124,7 +125,7 @@ def trajectory(run_id: str, session_id: str, request: Request, viewer: CurrentVi
     trainer = _trainer_logprobs(db, run_id, row.created_at, sequences)
     from api.inference.rendering import tokenizer_of  # transformers: loaded on first use
 
-    tokenizer = tokenizer_of(str(request.app.state.model_info.path))
+    tokenizer = tokenizer_of(str(served(request).stored(run.base_model, "run_id").info.path))
     out_turns = {t.id: {"turn": t.turn, "policy_version": t.policy_version, "prompt_tokens": len(t.prompt_tokens) // 4,
                         "prompt_text": tokenizer.decode(_ints(t.prompt_tokens).tolist()),
                         "new_input_text": _new_input(tokenizer, previous, t, by_turn),

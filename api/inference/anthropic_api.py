@@ -66,7 +66,7 @@ async def _prepare(request: Request):
     body = anthropic_params.parse(raw)
     target, parse_tools, prompt, grammar = await _render(request, tenant, body)
     options = calls.sampling_options(
-        request, len(prompt), max_tokens=body.max_tokens, max_tokens_field="max_tokens", prompt_field="messages",
+        target, len(prompt), max_tokens=body.max_tokens, max_tokens_field="max_tokens", prompt_field="messages",
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=tuple(body.stop_sequences or ()),
         structural_tag=grammar)
     session = calls.session_named((calls.SESSION_HEADER, request.headers.get(calls.SESSION_HEADER)),
@@ -96,7 +96,7 @@ async def create_message(request: Request) -> Response:
     async def work() -> Response:
         answers = await _answers()
         tenant, body, call = await _prepare(request)
-        model_path = str(request.app.state.model_info.path)
+        model_path = str(call.target.served.info.path)
         stops = call.options.stop_strings
 
         def build(*, response_id, model, prompt_len, cached, sequences, completions, tokenizer, **_) -> dict:

@@ -22,6 +22,7 @@ from api.inference import params, rendering, targets
 from api.inference.errors import InferenceError, error_response
 from api.inference.generate import Generation, generate
 from api.inference.keys import api_key
+from api.served_models import served
 from contract.sampling import SamplingOptions
 from db import rollouts
 from db.models import new_id
@@ -66,20 +67,25 @@ async def check_prompt_size(request: Request, raw: Any, token_prompt: str | None
     names a field that may hold token ids (/completions' prompt): more ids than the context, refused too."""
     if not isinstance(raw, dict):
         return  # the route's parse refuses it
-    info = request.app.state.model_info
+    # `model` is resolved after this check: the base model it names, else (a checkpoint's) the largest bound
+    named = served(request).find(raw["model"]) if isinstance(raw.get("model"), str) else None
+    infos = [named.info] if named is not None else [model.info for model in served(request).all]
+    max_context = max(info.max_context for info in infos)
     if token_prompt is not None:
         prompt = raw.get(token_prompt)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
             prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list) and len(prompt) > info.max_context and all(type(t) is int for t in prompt[:16]):
+        if isinstance(prompt, list) and len(prompt) > max_context and all(type(t) is int for t in prompt[:16]):
             raise InferenceError(400, f"{token_prompt}: {len(prompt)} token ids; the model's context is "
-                                      f"{info.max_context}")
-    per_token = await run_in_threadpool(rendering.max_token_bytes, str(info.path))
-    limit = input_policy.prompt_byte_limit(info.max_context, per_token)
+                                      f"{max_context}")
+    limit = 0
+    for info in infos:
+        per_token = await run_in_threadpool(rendering.max_token_bytes, str(info.path))
+        limit = max(limit, input_policy.prompt_byte_limit(info.max_context, per_token))
     field, size = input_policy.largest_text_field(raw)
     if size > limit:
         raise InferenceError(400, f"{field}: {size} bytes of text in the request; no more than {limit} can fit "
-                                  f"the model's context of {info.max_context} tokens")
+                                  f"the model's context of {max_context} tokens")
 
 
 async def answer(request: Request, work: Callable[[], Awaitable[Response]],
@@ -111,8 +117,8 @@ async def render_for(request: Request, tenant: TenantRef, model: str, messages: 
                      tools: list[dict] | None) -> tuple[targets.Target, list[int]]:
     """(the target `model` names, the prompt's tokens): messages and tools in the template's shape,
     rendered with the base model's chat template; a template that renders no tools refuses them."""
-    info = request.app.state.model_info
     target = await run_in_threadpool(resolve, request, tenant, model)
+    info = target.served.info
     tokenizer = await run_in_threadpool(rendering.tokenizer_of, str(info.path))
     if tools:
         rendering.check_tools(tokenizer, tools, info.name)
@@ -124,7 +130,7 @@ def openai_call(request: Request, body: params.InferenceRequest, raw: dict, api:
                 prompt: list[int], topk: int, parse_tools: bool, structural_tag: str | None = None) -> Call:
     """A Call from an OpenAI chat/completions body (its session and sampling fields; `structural_tag`: the
     grammar of its forced or strict tool calls, tool_grammar.py)."""
-    info, settings = request.app.state.model_info, request.app.state.settings
+    info, settings = target.served.info, request.app.state.settings
     options = params.sampling_options(body, len(prompt), info.max_context, settings.sampler_max_samples)
     return Call(api=api, model=body.model, raw=raw, target=target, prompt=prompt, n=body.n,
                 options=dataclasses.replace(options, structural_tag=structural_tag),
@@ -132,13 +138,13 @@ def openai_call(request: Request, body: params.InferenceRequest, raw: dict, api:
                 parse_tools=parse_tools)
 
 
-def sampling_options(request: Request, prompt_len: int, *, max_tokens: int | None, max_tokens_field: str,
+def sampling_options(target: targets.Target, prompt_len: int, *, max_tokens: int | None, max_tokens_field: str,
                      prompt_field: str, temperature: float | None, top_p: float | None, top_k: int | None,
                      stop: tuple[str, ...] = (), seed: int | None = None,
                      structural_tag: str | None = None) -> SamplingOptions:
     """One sample's options from an API's own fields, refusing in their names what the context cannot hold
     (params.sampling_options does the same for OpenAI's chat/completions bodies)."""
-    max_context = request.app.state.model_info.max_context
+    max_context = target.served.info.max_context
     room = max_context - prompt_len
     if room < 1:
         raise InferenceError(400, f"{prompt_field}: the prompt is {prompt_len} tokens; the model's context is "
@@ -169,7 +175,7 @@ def record(request: Request, tenant: TenantRef, call: Call, generation: Generati
            build: Callable[..., dict]) -> tuple[dict, str, int]:
     """Build the answer from the generation and store it as the trajectory's next turn (blocking):
     (the answer, the trajectory's session id, the turn's number)."""
-    info = request.app.state.model_info
+    info = call.target.served.info
     tokenizer, model_path = rendering.tokenizer_of(str(info.path)), str(info.path)
     completions = [rendering.completion_of(tokenizer, model_path, list(seq.tokens), seq.stop_reason,
                                            call.options.stop_strings, call.parse_tools)

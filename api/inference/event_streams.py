@@ -80,7 +80,7 @@ async def stream_and_record(request: Request, tenant: TenantRef, call: calls.Cal
     session (a fresh one if the call named none) and policy version, not its turn number."""
     call = replace(call, session=call.session or new_id())
     stream = await generate_stream(request, tenant.id, call.target, call.prompt, call.n, call.options, call.topk)
-    info = request.app.state.model_info
+    info = call.target.served.info
     text = ChoiceText(rendering.tokenizer_of(str(info.path)), str(info.path), call.options.stop_strings,
                       call.parse_tools)
     turn_id = new_id()

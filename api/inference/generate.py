@@ -46,12 +46,12 @@ class Generation:
     cached_prompt_tokens: int
 
 
-def _submit(request: Request, tenant_id: str, job: SampleJob) -> None:
-    dispatcher = request.app.state.sampling
+def _submit(request: Request, tenant_id: str, target: Target, job: SampleJob) -> None:
+    dispatcher = target.served.sampling
     with request.app.state.sessions() as db:
         rollouts.check_quota(db, tenant_id)  # every call is recorded: refuse before sampling, not after
         admit_sample(db, dispatcher, tenant_id, len(job.prompt) + job.options.max_tokens * job.num_samples)
-        submit(request.app.state.scheduler, db, tenant_id=tenant_id, model_id=None, seq_id=None,
+        submit(target.served.scheduler, db, tenant_id=tenant_id, model_id=None, seq_id=None,
                kind=RequestKind.SAMPLE, payload=job.to_json(), num_tokens=len(job.prompt),
                request_id=job.request_id, dispatch=lambda: dispatcher.submit(job))
 
@@ -64,12 +64,13 @@ def _stored_answer(request: Request, request_id: str) -> Answer | None:
 
 def _job(request: Request, target: Target, prompt: list[int], num_samples: int, options: SamplingOptions,
          topk: int, stream: bool = False, stream_to: str | None = None) -> SampleJob:
-    if request.app.state.sampling is None:
-        raise InferenceError(400, f"model: sampling is not available on this server: "
-                                  f"{request.app.state.sampling_unavailable}")
+    if target.served.sampling is None:
+        raise InferenceError(400, f"model: sampling is not available for {target.served.name}: "
+                                  f"{target.served.sampling_unavailable}")
     return SampleJob(request_id=new_id(), prompt=tuple(prompt), num_samples=num_samples, options=options,
                      adapter_path=target.adapter_path, topk_sample_logprobs=topk,
-                     policy_version=target.policy_version, stream=stream, stream_to=stream_to)
+                     policy_version=target.policy_version, stream=stream, stream_to=stream_to,
+                     base_model=target.served.name)
 
 
 def _generation(request_id: str, answer: Answer) -> Generation:
@@ -90,7 +91,7 @@ async def generate(request: Request, tenant_id: str, target: Target, prompt: lis
             raise InferenceError(400, "the client disconnected before the samples were done")
 
     with request.app.state.notifier.watch(job.request_id) as watch:  # before submitting: no wake-up is missed
-        await run_in_threadpool(_submit, request, tenant_id, job)
+        await run_in_threadpool(_submit, request, tenant_id, target, job)
         answer = await wait_for_answer(watch, time.monotonic() + MAX_WAIT_SECONDS,
                                        lambda: run_in_threadpool(_stored_answer, request, job.request_id),
                                        still_connected)
@@ -167,13 +168,13 @@ class GenerationStream:
             self._exits.close()
 
 
-def _streamer(request: Request):
-    """What streams this server's samples and aborts them (`abort(request_id)`): the dispatcher of an engine
+def _streamer(request: Request, target: Target):
+    """What streams `target`'s samples and aborts them (`abort(request_id)`): the dispatcher of an engine
     in this process, or a distributed API replica's RemoteStreams (messaging/remote_streams.py); else None."""
-    dispatcher = request.app.state.sampling
+    dispatcher = target.served.sampling
     if getattr(dispatcher, "streams", False):
         return dispatcher
-    return getattr(request.app.state, "sample_streams", None)
+    return target.served.streams
 
 
 async def generate_stream(request: Request, tenant_id: str, target: Target, prompt: list[int], num_samples: int,
@@ -181,7 +182,7 @@ async def generate_stream(request: Request, tenant_id: str, target: Target, prom
     """Submit a streaming sample of `num_samples` continuations of `prompt` from `target`. Every refusal
     (quota, a busy sampler, one that does not stream) raises InferenceError/HTTPException here, before
     the caller has sent anything; then iterate the returned stream (see GenerationStream)."""
-    streamer = _streamer(request)
+    streamer = _streamer(request, target)
     job = _job(request, target, prompt, num_samples, options, topk, stream=True,
                stream_to=getattr(streamer, "channel", None))
     if streamer is None:
@@ -189,7 +190,7 @@ async def generate_stream(request: Request, tenant_id: str, target: Target, prom
     exits = ExitStack()
     feed = exits.enter_context(request.app.state.notifier.feed(job.request_id))  # before submitting: no step missed
     try:
-        await run_in_threadpool(_submit, request, tenant_id, job)
+        await run_in_threadpool(_submit, request, tenant_id, target, job)
     except BaseException:
         exits.close()
         raise

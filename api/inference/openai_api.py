@@ -64,7 +64,7 @@ async def chat_completions(request: Request) -> Response:
             def chat_chunks(response_id: str) -> chunks.ChatChunks:
                 return chunks.ChatChunks(
                     response_id=response_id, model=body.model, fingerprint=f"loraplex-{target.version_label}",
-                    tokenizer=rendering.tokenizer_of(str(request.app.state.model_info.path)),
+                    tokenizer=rendering.tokenizer_of(str(target.served.info.path)),
                     logprobs=bool(body.logprobs), top_logprobs=topk,
                     as_ids=body.return_tokens_as_token_ids, include_usage=_include_usage(body))
 
@@ -82,8 +82,8 @@ async def completions(request: Request) -> Response:
         raw = await calls.json_body(request)
         await calls.check_prompt_size(request, raw, token_prompt="prompt")
         body: params.CompletionRequest = params.parse(params.CompletionRequest, raw, params.COMPLETION_PARAMETERS)
-        info = request.app.state.model_info
         target = await run_in_threadpool(calls.resolve, request, tenant, body.model)
+        info = target.served.info
         tokenizer = await run_in_threadpool(rendering.tokenizer_of, str(info.path))
         prompt = await run_in_threadpool(rendering.prompt_tokens, tokenizer, body.prompt, info.vocab_size)
         topk = body.logprobs or 0

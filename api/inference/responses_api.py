@@ -87,7 +87,7 @@ async def create_response(request: Request) -> Response:
         grammar = await run_in_threadpool(tool_grammar.structural_tag,  # (xgrammar compiles)
                                           responses_params.grammar_tools(body, tools), choice)
         options = calls.sampling_options(
-            request, len(prompt), max_tokens=body.max_output_tokens, max_tokens_field="max_output_tokens",
+            target, len(prompt), max_tokens=body.max_output_tokens, max_tokens_field="max_output_tokens",
             prompt_field="input", temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             structural_tag=grammar)
         session = calls.session_named((calls.SESSION_HEADER, request.headers.get(calls.SESSION_HEADER)),

@@ -21,7 +21,8 @@ from fastapi import HTTPException, Request
 from sqlalchemy.orm import Session
 
 from api.inference.errors import InferenceError
-from api.lookups import resolve_checkpoint, served_names, serves
+from api.lookups import resolve_checkpoint
+from api.served_models import ServedModel, served
 from db.models import Checkpoint, CheckpointKind, TrainingModel
 from storage.checkpoint_files import snapshot_policy_version
 
@@ -33,6 +34,7 @@ class Target:
     sampler_path: str | None  # the tinker:// sampler checkpoint that answers; None: the base model
     adapter_path: str | None  # its snapshot folder (the save current now)
     policy_version: int | None  # optimizer steps of that snapshot; None: the base model
+    served: ServedModel  # the base model it samples (its run's), with that model's sampler
 
     @property
     def version_label(self) -> str:
@@ -52,7 +54,7 @@ def resolve(request: Request, db: Session, tenant_id: str, model: str) -> Target
     if model.startswith("tinker://"):
         parts = model.removeprefix("tinker://").split("/")
         if len(parts) == 3 and parts[1] == "sampler_weights" and parts[2] == LATEST:
-            return _latest(db, tenant_id, parts[0], model)
+            return _latest(request, db, tenant_id, parts[0], model)
         try:
             _, checkpoint = resolve_checkpoint(db, tenant_id, model, "model")
         except HTTPException as e:
@@ -60,15 +62,17 @@ def resolve(request: Request, db: Session, tenant_id: str, model: str) -> Target
         if checkpoint.kind != CheckpointKind.SAMPLER:
             raise InferenceError(400, "model: sample from sampler weights (tinker://<run>/sampler_weights/<name>), "
                                       "not a training state")
-        return _snapshot(checkpoint, model)
-    if serves(request, model):
-        return Target(None, None, None)
+        run_base_model = db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
+        return _snapshot(request, checkpoint, model, run_base_model)
+    base = served(request).find(model)
+    if base is not None:
+        return Target(None, None, None, base)
     raise _not_found(f"model: no model {model[:200]!r}: name a sampler checkpoint (tinker://<run>/sampler_weights/"
-                     f"<name>), a run's policy alias (tinker://<run>/sampler_weights/{LATEST}) or the base model "
-                     f"{served_names(request)}")
+                     f"<name>), a run's policy alias (tinker://<run>/sampler_weights/{LATEST}) or a base model "
+                     f"served here: {served(request).described()}")
 
 
-def _latest(db: Session, tenant_id: str, run_id: str, model: str) -> Target:
+def _latest(request: Request, db: Session, tenant_id: str, run_id: str, model: str) -> Target:
     run = db.get(TrainingModel, run_id)
     if run is None or run.tenant_id != tenant_id or run.deleted_at is not None:
         raise _not_found(f"model: no training run {run_id[:200]!r} for the policy alias {model[:240]!r}")
@@ -77,14 +81,18 @@ def _latest(db: Session, tenant_id: str, run_id: str, model: str) -> Target:
     ).order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc()).limit(1))
     if newest is None:
         raise _not_found(f"model: training run {run_id!r} has no save_weights_for_sampler yet")
-    return _snapshot(newest, model)
+    return _snapshot(request, newest, model, run.base_model)
 
 
-def _snapshot(checkpoint: Checkpoint, model: str) -> Target:
+def _snapshot(request: Request, checkpoint: Checkpoint, model: str, base_model: str | None) -> Target:
     version = snapshot_policy_version(checkpoint.storage_path)
-    if version is None:
+    if version is None or base_model is None:
         raise _not_found(f"model: the weights of {model[:240]!r} are not saved (yet) or were deleted")
-    return Target(checkpoint.tinker_path, checkpoint.storage_path, version)
+    try:
+        base = served(request).stored(base_model, "model")
+    except HTTPException as e:
+        raise InferenceError(e.status_code, str(e.detail)) from None
+    return Target(checkpoint.tinker_path, checkpoint.storage_path, version, base)
 
 
 @dataclass(frozen=True)
@@ -94,17 +102,17 @@ class ListedModel:
 
 
 def listed_models(request: Request, db: Session, tenant_id: str) -> list[ListedModel]:
-    """What the model lists show: the base model, the policy alias of each of the caller's runs that has
+    """What the model lists show: the base models, the policy alias of each of the caller's runs that has
     a sampler checkpoint, and those checkpoints (oldest first)."""
     rows = db.execute(sa.select(Checkpoint.tinker_path, Checkpoint.created_at, TrainingModel.id,
                                 TrainingModel.created_at.label("run_created_at")).join(
         TrainingModel, TrainingModel.id == Checkpoint.model_id,
     ).where(Checkpoint.tenant_id == tenant_id, Checkpoint.kind == CheckpointKind.SAMPLER,
             TrainingModel.deleted_at.is_(None)).order_by(Checkpoint.created_at)).all()
-    info = request.app.state.model_info
-    base = ListedModel(info.name, datetime.fromtimestamp(Path(info.path).stat().st_mtime, timezone.utc))
+    bases = [ListedModel(model.name, datetime.fromtimestamp(Path(model.info.path).stat().st_mtime, timezone.utc))
+             for model in served(request).all]
     runs = {row.id: ListedModel(alias(row.id), _utc(row.run_created_at)) for row in rows}
-    return [base, *runs.values(), *(ListedModel(row.tinker_path, _utc(row.created_at)) for row in rows)]
+    return [*bases, *runs.values(), *(ListedModel(row.tinker_path, _utc(row.created_at)) for row in rows)]
 
 
 def _utc(stored: datetime) -> datetime:

@@ -20,6 +20,7 @@ from api.deps import DB, CurrentTenant, Limit, Offset
 from api.input_policy import Int64, Label, readable
 from api.lookups import owned_model
 from api.paths import TinkerPath
+from api.served_models import served
 from db import audit, projects
 from db import checkpoints as stored_checkpoints
 from db.models import Checkpoint, TrainingModel, utcnow
@@ -161,10 +162,11 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
     from storage.peft_export import export_peft
 
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
+    base = served(request).stored(db.get(TrainingModel, row.model_id).base_model, "run_id")
     work = Path(tempfile.mkdtemp(prefix="loraplex-archive-"))
     adapter = work / "adapter"
     try:
-        export_peft(row.storage_path, adapter, request.app.state.model_info.path)
+        export_peft(row.storage_path, adapter, base.info.path)
     except (FileNotFoundError, CheckpointError) as e:
         shutil.rmtree(work, ignore_errors=True)
         raise HTTPException(404, f"checkpoint_id: the files of {row.tinker_path!r} are not readable: {e}") from None

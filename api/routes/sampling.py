@@ -21,13 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from api import quotas
 from api.input_policy import INT32_MAX, INT64_MAX, Id, Label, Seed, SessionSeq, StopStrings, StopTokens
 from api.deps import DB, CurrentTenant
-from api.lookups import owned_sampler, owned_session, resolve_checkpoint, served_model
+from api.lookups import owned_sampler, owned_session, resolve_checkpoint
 from api.paths import sampler_id
+from api.served_models import ServedModel, served
 from api.submit import submit
 from contract.errors import SamplerBusy, SamplerUnavailable
 from contract.kinds import RequestKind
 from contract.sampling import SampleJob, SamplingOptions
-from db.models import Checkpoint, Sampler, new_id
+from db.models import Checkpoint, Sampler, TrainingModel, new_id
 from models.architectures import sampling_refusal
 from storage.checkpoint_files import snapshot_policy_version
 
@@ -51,20 +52,20 @@ class CreateSamplingSession(BaseModel):
 @router.post("/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSession, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     session = owned_session(db, tenant.id, body.session_id)
-    refusal = sampling_refusal(request.app.state.model_info.arch)
-    if refusal:  # told at creation, not at the first sample
-        raise HTTPException(400, refusal)
-    base_model = body.base_model or request.app.state.model_info.name
+    base = served(request).named(body.base_model) if body.base_model else served(request).default
     adapter_path = None
     if body.model_path:
         _, checkpoint = resolve_checkpoint(db, tenant.id, body.model_path, "model_path")
         if checkpoint.kind != "sampler":
             raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
         adapter_path = checkpoint.storage_path  # pinned: a later save under this name makes a new folder
-    base_model = served_model(request, base_model)  # stored by its hub id, whichever alias named it
+        base = _checkpoint_base(request, db, checkpoint, "model_path")  # the weights' own, whatever was named
+    refusal = sampling_refusal(base.info.arch)
+    if refusal:  # told at creation, not at the first sample
+        raise HTTPException(400, refusal)
     sid = sampler_id(session.id, body.sampling_session_seq_id)
-    if db.get(Sampler, sid) is None:
-        db.add(Sampler(id=sid, tenant_id=tenant.id, session_id=session.id, base_model=base_model,
+    if db.get(Sampler, sid) is None:  # stored by its hub id, whichever alias named it
+        db.add(Sampler(id=sid, tenant_id=tenant.id, session_id=session.id, base_model=base.name,
                        model_path=body.model_path, adapter_path=adapter_path))
         db.commit()
     return {"type": "create_sampling_session", "sampling_session_id": sid}
@@ -140,8 +141,17 @@ def _options(p: SamplingParamsIn, prompt_len: int, max_context: int, vocab: int)
     )
 
 
-def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> tuple[str | None, str | None]:
-    """(sampler id or None, snapshot folder or None) of the request."""
+def _checkpoint_base(request: Request, db: DB, checkpoint: Checkpoint, field: str) -> ServedModel:
+    """The served base model a checkpoint was trained on (its run's)."""
+    base_model = db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
+    if base_model is None:
+        raise HTTPException(404, f"{field}: the run of {checkpoint.tinker_path!r} is gone")
+    return served(request).stored(base_model, field)
+
+
+def _target(body: SampleRequestIn, request: Request, tenant_id: str,
+            db: DB) -> tuple[str | None, str | None, ServedModel]:
+    """(sampler id or None, snapshot folder or None, the base model sampled) of the request."""
     if body.sampling_session_id is not None:
         sampler = owned_sampler(db, tenant_id, body.sampling_session_id)
         # Access is checked on every request: a deleted checkpoint stops serving (though the engine
@@ -153,15 +163,14 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str, db: DB) -> 
                 raise HTTPException(404, f"sampling_session_id: the sampler's weights {sampler.model_path} "
                                          "are not saved (yet), were deleted (an unnamed snapshot is, once a newer "
                                          "one exists and it went unused), or are no longer published")
-        return sampler.id, sampler.adapter_path
+        return sampler.id, sampler.adapter_path, served(request).stored(sampler.base_model, "sampling_session_id")
     if body.model_path is not None:
         _, checkpoint = resolve_checkpoint(db, tenant_id, body.model_path, "model_path")
         if checkpoint.kind != "sampler":
             raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
-        return None, checkpoint.storage_path
+        return None, checkpoint.storage_path, _checkpoint_base(request, db, checkpoint, "model_path")
     if body.base_model is not None:
-        served_model(request, body.base_model)
-        return None, None
+        return None, None, served(request).named(body.base_model)
     raise HTTPException(400, "sampling_session_id: required (or the legacy base_model / model_path)")
 
 
@@ -217,10 +226,9 @@ def admit_sample(db, dispatcher, tenant_id: str, tokens: int) -> None:
 
 @router.post("/asample")
 def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: DB) -> dict:
-    dispatcher = request.app.state.sampling
-    if dispatcher is None:
-        raise HTTPException(400, f"sampling is not available on this server: {request.app.state.sampling_unavailable}")
-    settings, info = request.app.state.settings, request.app.state.model_info
+    sid, adapter_path, base = _target(body, request, tenant.id, db)
+    dispatcher = base.require_sampling()
+    settings, info = request.app.state.settings, base.info
     if body.num_samples > settings.sampler_max_samples:
         raise HTTPException(400, f"num_samples: at most {settings.sampler_max_samples}, got {body.num_samples}")
     try:
@@ -233,7 +241,6 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         raise HTTPException(400, f"prompt: token id {max(prompt)} is not below the vocabulary size {info.vocab_size}")
     options = _options(body.sampling_params, len(prompt), info.max_context, info.vocab_size)
     target_ids, target_csr = _target_prompt_ids(body, len(prompt), info.vocab_size)
-    sid, adapter_path = _target(body, request, tenant.id, db)
     version = policy_version(adapter_path)
     admit_sample(db, dispatcher, tenant.id, len(prompt) + options.max_tokens * body.num_samples)
     request_id = new_id()
@@ -248,9 +255,9 @@ def asample(body: SampleRequestIn, request: Request, tenant: CurrentTenant, db: 
         target_prompt_ids=target_ids, target_prompt_csr=target_csr, prompt_alt_tokens_k=body.prompt_alt_tokens_k,
         # stable_reinforce: the samples are recorded under these ids when they finish (db/stability.py)
         recorded_sequence_ids=tuple(sequence_ids) if body.record_stability_info else (),
-        policy_version=version,
+        policy_version=version, base_model=base.name,
     )
-    accepted = submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id,
+    accepted = submit(base.scheduler, db, tenant_id=tenant.id, model_id=sid, seq_id=seq_id,
                       kind=RequestKind.SAMPLE, payload=job.to_json(), num_tokens=len(prompt), request_id=job.request_id,
                       dispatch=lambda: dispatcher.submit(job))
     accepted["sample_sequence_ids"] = sequence_ids  # a retry's: the same (sampler, seq_id), the same ids

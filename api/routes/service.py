@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Request
 
 from api.deps import CurrentTenant
+from api.served_models import served
 
 router = APIRouter()
 
@@ -26,10 +27,10 @@ def healthz() -> dict:
 
 @router.get("/get_server_capabilities")
 def capabilities(request: Request) -> dict:
-    info = request.app.state.model_info
     return {"supported_models": [
-        {"model_name": info.name, "max_context_length": info.max_context, "trainable": True,
-         "sampleable": request.app.state.sampling is not None}
+        {"model_name": model.name, "max_context_length": model.info.max_context, "trainable": True,
+         "sampleable": model.sampling is not None}
+        for model in served(request).all
     ]}
 
 

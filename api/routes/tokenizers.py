@@ -1,4 +1,4 @@
-"""The served base model's tokenizer files, for clients that load tokenizers by hub id.
+"""The served base models' tokenizer files, for clients that load tokenizers by hub id.
 
     GET /api/v1/tokenizers/{model}/files
         {"model": hub id, "revision": 40 hex digits, "files": [{"path", "size", "sha256"}, ...]}
@@ -16,27 +16,30 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse
 
 from api.deps import CurrentTenant
-from api.lookups import served_names, serves
+from api.served_models import ServedModel, served
 from models.tokenizer_files import TokenizerManifest, tokenizer_manifest
 
 router = APIRouter()
 
 
-def _served_manifest(request: Request, model: str) -> TokenizerManifest:
-    if not serves(request, model):
-        raise HTTPException(404, f"model: no tokenizer for {model[:200]!r}: this server serves {served_names(request)}")
-    return tokenizer_manifest(request.app.state.model_info.path)
+def _served_manifest(request: Request, model: str) -> tuple[ServedModel, TokenizerManifest]:
+    base = served(request).find(model)
+    if base is None:
+        raise HTTPException(404, f"model: no tokenizer for {model[:200]!r}: this server serves "
+                                 f"{served(request).described()}")
+    return base, tokenizer_manifest(base.info.path)
 
 
 @router.get("/tokenizers/{model:path}/files")
 def list_tokenizer_files(model: str, request: Request, _: CurrentTenant) -> dict:
-    manifest = _served_manifest(request, model)
-    return {"model": request.app.state.model_info.name, "revision": manifest.revision, "files": manifest.to_json()}
+    base, manifest = _served_manifest(request, model)
+    return {"model": base.name, "revision": manifest.revision, "files": manifest.to_json()}
 
 
 @router.get("/tokenizers/{model:path}/files/{filename}")
 def get_tokenizer_file(model: str, filename: str, request: Request, _: CurrentTenant) -> FileResponse:
-    listed = _served_manifest(request, model).file(filename)
+    base, manifest = _served_manifest(request, model)
+    listed = manifest.file(filename)
     if listed is None:  # only listed names: nothing else of the model's folder can be read this way
         raise HTTPException(404, f"filename: {filename[:200]!r} is not one of the tokenizer files of {model[:200]!r}")
-    return FileResponse(request.app.state.model_info.path / listed.path, media_type="application/octet-stream")
+    return FileResponse(base.info.path / listed.path, media_type="application/octet-stream")

@@ -22,9 +22,10 @@ from api import quotas
 from api.input_policy import Id, Label, Metadata, NonNegInt32, Seed, SeqId, SessionSeq, StrMetadata, check_wire_text
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
 from api.optimizers import OptimizerConfig, run_optimizer, wire_config
-from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint, served_model
+from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint
 from api.paths import CHECKPOINT_KINDS, TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
 from api.paths import model_id as make_model_id
+from api.served_models import served
 from api.submit import submit
 from contract.configs import DEFAULT_LORA_ALPHA, LoraConfig, optim_params_from, optimizer_of
 from contract.errors import InvalidInputError
@@ -119,22 +120,24 @@ def lora_config(body: LoraConfigIn, max_rank: int) -> LoraConfig:
 @router.post("/create_model")
 def create_model(body: CreateModel, request: Request, tenant: CurrentTenant, db: DB) -> dict:
     owned_session(db, tenant.id, body.session_id)
-    base_model = served_model(request, body.base_model)  # stored by its hub id, whichever alias named it
+    base = served(request).named(body.base_model)  # stored by its hub id, whichever alias named it
     optimizer = body.optimizer_config.resolve("optimizer_config")
     cfg = lora_config(body.lora_config, request.app.state.settings.max_lora_rank)
     try:
-        check_lora_config(request.app.state.model_info.arch, cfg)
+        check_lora_config(base.info.arch, cfg)
     except InvalidInputError as e:
         raise HTTPException(400, str(e)) from None
     mid = make_model_id(body.session_id, body.model_seq_id)
     if db.get(TrainingModel, mid) is None:
         quotas.check_new_model(db, tenant.id, cfg.rank)
         db.add(TrainingModel(
-            id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=base_model,
+            id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=base.name,
             lora_config=cfg.to_dict(), user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
         ))
         db.flush()
-    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=0,
+    else:  # a retry, or a clash of ids: the run is what it was created as
+        base = served(request).stored(db.get(TrainingModel, mid).base_model)
+    return submit(base.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=0,
                   kind=RequestKind.CREATE_MODEL,
                   payload=CreateModelPayload(lora_config=cfg, optimizer=optimizer).to_bytes())
 
@@ -144,7 +147,7 @@ def get_info(body: ModelRef, request: Request, tenant: CurrentTenant, db: DB) ->
     from models.registry import hub_id
 
     row = owned_model(db, tenant.id, body.model_id)
-    info = request.app.state.model_info
+    info = served(request).stored(row.base_model).info
     # The hub id, whichever alias created the model: the SDK makes model_name the base model of
     # its samplers, whose get_tokenizer() loads it by name, and loads tokenizer_id itself; both
     # from the client's Hugging Face cache (`loraplex tokenizer pull` fills it), never a server path.
@@ -163,7 +166,7 @@ async def forward_backward(request: Request, x_api_key: ApiKeyHeader = None) -> 
 
 
 def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: Session) -> dict:
-    settings, info = request.app.state.settings, request.app.state.model_info
+    settings = request.app.state.settings
     try:
         proto = decode_body(body, request.headers.get("content-encoding"), max_decompressed_bytes=settings.max_request_bytes)
         wire = decode_forward_backward_request(proto, None)
@@ -174,7 +177,8 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
     problem = check_wire_text({"model_id": wire.model_id, "loss_fn": wire.loss_fn, **texts})
     if problem is not None:
         raise HTTPException(400, problem)
-    check_owned_model(db, tenant_id, wire.model_id)
+    base = served(request).stored(check_owned_model(db, tenant_id, wire.model_id))
+    info = base.info
     if wire.seq_id < 1:
         raise HTTPException(400, f"seq_id: must be >= 1, got {wire.seq_id}")
     try:  # stable_reinforce: check the provenance, renew the sequences, add the record to the payload
@@ -188,7 +192,7 @@ def _accept_forward_backward(request: Request, body: bytes, tenant_id: str, db: 
         raise HTTPException(400, str(e)) from None
     quotas.check_training_tokens(db, tenant_id, num_tokens)
     return submit(
-        request.app.state.scheduler, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
+        base.scheduler, db, tenant_id=tenant_id, model_id=wire.model_id, seq_id=wire.seq_id,
         kind=RequestKind.FORWARD if wire.forward_only else RequestKind.FORWARD_BACKWARD, payload=proto,
         content_type=PROTOBUF, num_tokens=num_tokens,
     )
@@ -200,7 +204,7 @@ async def optim_step(body: OptimStep, request: Request, x_api_key: ApiKeyHeader 
 
 
 def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db: Session) -> dict:
-    check_owned_model(db, tenant.id, body.model_id)
+    base = served(request).stored(check_owned_model(db, tenant.id, body.model_id))
     # the SDK sends AdamParams as adam_params and other families as optimizer_params (optim_params: its alias)
     field, raw = next(((name, value) for name, value in (("adam_params", body.adam_params),
                                                           ("optimizer_params", body.optimizer_params),
@@ -215,13 +219,14 @@ def _accept_optim_step(request: Request, body: OptimStep, tenant: TenantRef, db:
         raise HTTPException(400, f"{field}.type: this model was created with {optimizer}, so its steps take "
                                  f"{optimizer}'s hyperparameters, not {optimizer_of(params)}'s; to switch, save_state "
                                  "and create a training client from that state with the other optimizer")
-    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
+    return submit(base.scheduler, db, tenant_id=tenant.id, model_id=body.model_id, seq_id=body.seq_id,
                   kind=RequestKind.OPTIM_STEP, payload=OptimStepPayload(adam_params=params).to_bytes())
 
 
 def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: RequestKind, dir_kind: str,
           age_recipients: list[str] | None = None) -> dict:
     model = owned_model(db, tenant_id, body.model_id)
+    base = served(request).stored(model.base_model)
     quotas.check_storage(db, tenant_id)
     snapshot: dict[str, Any] = {}  # an unnamed snapshot: the sampler it is for
     if body.path is None and dir_kind == "sampler_weights":
@@ -248,7 +253,7 @@ def _save(request: Request, db: DB, tenant_id: str, body: SaveWeights, kind: Req
         db.add(Sampler(id=payload.sampling_session_id, tenant_id=tenant_id, session_id=model.session_id,
                        base_model=model.base_model, model_path=str(path), adapter_path=folder))
         db.flush()
-    return submit(request.app.state.scheduler, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
+    return submit(base.scheduler, db, tenant_id=tenant_id, model_id=model.id, seq_id=body.seq_id, kind=kind,
                   payload=payload.to_bytes())
 
 
@@ -290,15 +295,17 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
     if manifest is None:
         raise HTTPException(404, f"path: the files of {body.path!r} are missing")
     saved = manifest.get("optimizer", "adamw")  # states written before Dimuon were AdamW's
+    source = db.get(TrainingModel, checkpoint.model_id)
+    # the base model the state was trained on (its run's; the default one's where the run is gone)
+    source_base = source.base_model if source else served(request).default.name
     if body.session_id is not None and body.model_seq_id is not None:  # create-via-load: seq 0 of a new model
         owned_session(db, tenant.id, body.session_id)
-        source = db.get(TrainingModel, checkpoint.model_id)
+        base = served(request).stored(source_base, "path")
         mid, seq = make_model_id(body.session_id, body.model_seq_id), 0
         if db.get(TrainingModel, mid) is None:
             quotas.check_new_model(db, tenant.id, manifest["lora_config"]["rank"])
             db.add(TrainingModel(
-                id=mid, tenant_id=tenant.id, session_id=body.session_id,
-                base_model=source.base_model if source else request.app.state.model_info.name,
+                id=mid, tenant_id=tenant.id, session_id=body.session_id, base_model=base.name,
                 lora_config=manifest["lora_config"], user_metadata=body.user_metadata or {}, last_applied_seq_id=-1,
             ))
             db.flush()
@@ -307,7 +314,11 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
                                      "leave optimizer_config out, or load the weights only with a fresh optimizer")
         optimizer = saved if body.optimizer else asked or "adamw"
     elif body.model_id is not None and body.seq_id is not None:
-        mid, seq = owned_model(db, tenant.id, body.model_id).id, body.seq_id
+        target = owned_model(db, tenant.id, body.model_id)
+        if target.base_model != source_base:
+            raise HTTPException(400, f"path: {body.path!r} was trained on {source_base}; run {target.id!r} trains "
+                                     f"{target.base_model}")
+        mid, seq, base = target.id, body.seq_id, served(request).stored(target.base_model)
         optimizer = run_optimizer(db, mid, seq)  # an existing model keeps its optimizer
         if asked not in (None, optimizer):
             raise HTTPException(400, f"optimizer_config: this model runs {optimizer}, fixed at its creation; "
@@ -319,7 +330,7 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
         raise HTTPException(400, "session_id and model_seq_id (or model_id and seq_id) are required")
     payload = LoadWeightsPayload(storage_path=checkpoint.storage_path, optimizer=body.optimizer, tinker_path=body.path,
                                  optimizer_type=optimizer)
-    return submit(request.app.state.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=seq,
+    return submit(base.scheduler, db, tenant_id=tenant.id, model_id=mid, seq_id=seq,
                   kind=RequestKind.LOAD_WEIGHTS, payload=payload.to_bytes())
 
 

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.served_models import ServedModel, ServedModels
 from db.session import make_engine, make_session_factory, upgrade_to_head
 from db.tenants import create_tenant
 from messaging.notify import Notifier
@@ -64,7 +65,7 @@ def api(tmp_path, tiny_info, migrated_database) -> Api:
     shutil.copyfile(migrated_database, tmp_path / "loraplex.db")  # the database settings.resolved_database_url names
     sessions = make_session_factory(make_engine(settings.resolved_database_url))
     scheduler = RecordingScheduler()
-    app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=Notifier(),
-                     model_info=tiny_info)
+    app = create_app(settings=settings, sessions_factory=sessions, notifier=Notifier(),
+                     models=ServedModels([ServedModel(tiny_info, scheduler)]))
     with TestClient(app, base_url="http://test/api/v1") as client:
         yield Api(client, app, scheduler, sessions)

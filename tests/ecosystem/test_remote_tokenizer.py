@@ -122,7 +122,7 @@ def cached_bytes(hf_home: Path) -> bytes:
 def test_a_client_elsewhere_pulls_the_tokenizer_then_trains_with_the_official_sdk(request, server_fixture, model, pull,
                                                                                   hub_id, elsewhere):
     server = request.getfixturevalue(server_fixture)
-    info = server.embedded.app.state.model_info
+    info = server.embedded.app.state.models.default.info
     relay = Relay(server.settings.port)
     try:
         seen = run_client(elsewhere, base_url=relay.base_url, api_key=server.new_tenant(), model=model, pull=pull)
@@ -168,7 +168,7 @@ def test_a_second_pull_by_alias_reuses_the_cache(server, api_key, tmp_path):
     assert again.downloaded == ()
     tokenizer = AutoTokenizer.from_pretrained("loraplex/tiny", cache_dir=tmp_path, local_files_only=True)
     assert tokenizer.encode("What is 1 + 2?") == AutoTokenizer.from_pretrained(
-        server.embedded.app.state.model_info.path).encode("What is 1 + 2?")
+        server.embedded.app.state.models.default.info.path).encode("What is 1 + 2?")
 
 
 def test_aliases_name_the_same_model_everywhere(server, api_key):
@@ -208,7 +208,7 @@ def test_only_the_listed_files_are_served_and_only_to_a_tenant(server, api_key):
     weights = httpx.get(f"{url}/model.safetensors", headers={"X-API-Key": api_key})
     assert weights.status_code == 404 and weights.json()["detail"].startswith("filename: 'model.safetensors'")
     served = httpx.get(f"{url}/tokenizer.json", headers={"X-API-Key": api_key})
-    assert served.content == (server.embedded.app.state.model_info.path / "tokenizer.json").read_bytes()
+    assert served.content == (server.embedded.app.state.models.default.info.path / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.parametrize("path", ["x" * 5000 + "/files", "loraplex/tiny/files/..", "%00/files", "/files",
@@ -217,4 +217,4 @@ def test_only_the_listed_files_are_served_and_only_to_a_tenant(server, api_key):
 def test_odd_names_are_refused_without_an_error_or_a_path(server, api_key, path):
     answer = httpx.get(f"{server.base_url}/api/v1/tokenizers/{path}", headers={"X-API-Key": api_key})
     assert answer.status_code == 404 and len(answer.text) < 1024
-    assert str(server.embedded.app.state.model_info.path) not in answer.text
+    assert str(server.embedded.app.state.models.default.info.path) not in answer.text

@@ -30,7 +30,7 @@ def store(lp) -> loraplex.RolloutsClient:
 
 @pytest.fixture(scope="package")
 def model_path(server) -> str:
-    return str(server.embedded.app.state.model_info.path)
+    return str(server.embedded.app.state.models.default.info.path)
 
 
 @pytest.fixture(scope="module")

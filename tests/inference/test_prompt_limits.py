@@ -20,6 +20,7 @@ from api.app import create_app
 from api.deps import tenant_of_key
 from api.inference import rendering
 from api.input_policy import PROMPT_BYTES_PER_TOKEN_SLACK, prompt_byte_limit
+from api.served_models import ServedModel, ServedModels
 from db import rollouts
 from db.models import new_id
 from db.session import make_engine, make_session_factory, upgrade_to_head
@@ -65,8 +66,8 @@ def app_alone(tmp_path_factory):
     upgrade_to_head(settings.resolved_database_url)
     sessions = make_session_factory(make_engine(settings.resolved_database_url))
     scheduler = SimpleNamespace(submit=lambda queued: None)
-    app = create_app(settings=settings, sessions_factory=sessions, scheduler=scheduler, notifier=Notifier(),
-                     model_info=model_info("tiny"), sampling_unavailable="no sampler in this test")
+    app = create_app(settings=settings, sessions_factory=sessions, notifier=Notifier(), models=ServedModels(
+        [ServedModel(model_info("tiny"), scheduler, sampling_unavailable="no sampler in this test")]))
     with sessions() as s:
         key = create_tenant(s, "prompts")[1]
     with TestClient(app, base_url="http://test", headers={"x-api-key": key}) as client:
@@ -74,7 +75,7 @@ def app_alone(tmp_path_factory):
 
 
 def test_the_limit_is_derived_from_the_context_and_the_longest_token(app_alone):
-    info = app_alone.app.state.model_info
+    info = app_alone.app.state.models.default.info
     per_token = rendering.max_token_bytes(str(info.path))
     limit = prompt_byte_limit(info.max_context, per_token)
     assert limit == PROMPT_BYTES_PER_TOKEN_SLACK * info.max_context * per_token
@@ -119,7 +120,7 @@ def test_a_responses_chain_holding_more_text_than_the_context_is_refused_before_
     """Each stored call of a previous_response_id chain was within the limit; together they are not."""
     with app_alone.sessions() as s:
         tenant_id = tenant_of_key(s, app_alone.key).id
-    limit = prompt_byte_limit(2048, rendering.max_token_bytes(str(app_alone.app.state.model_info.path)))
+    limit = prompt_byte_limit(2048, rendering.max_token_bytes(str(app_alone.app.state.models.default.info.path)))
     previous = None
     for _ in range(2):
         turn_id = new_id()

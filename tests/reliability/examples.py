@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from api.app import create_app
+from api.served_models import ServedModel, ServedModels
 from service.settings import Settings
 from tests.reliability.checks import SHORT
 from tests.reliability.client import PROTOBUF, forward_backward_body
@@ -239,8 +240,8 @@ EXAMPLES: dict[tuple[str, str], Example] = {
 def bare_app():
     """The app as create_app builds it, without a server behind it (its route table is all the
     matrix needs at collection time; the matrix checks the running server's table is the same)."""
-    return create_app(settings=Settings(), sessions_factory=None, scheduler=None, notifier=None,
-                      model_info=SimpleNamespace(name="tiny"))
+    return create_app(settings=Settings(), sessions_factory=None, notifier=None,
+                      models=ServedModels([ServedModel(SimpleNamespace(name="tiny"), None)]))
 
 
 def route_table(app) -> list[tuple[str, str]]:

@@ -134,6 +134,7 @@ def test_a_training_state_carries_the_expert_weights(moe_path, tmp_path):
 
 def test_sampling_on_a_moe_base_model_is_refused_by_name(moe, tmp_path):
     from api.app import create_app
+    from api.served_models import ServedModel, ServedModels
     from db.session import make_engine as db_engine
     from db.session import make_session_factory, upgrade_to_head
     from db.tenants import create_tenant
@@ -147,8 +148,8 @@ def test_sampling_on_a_moe_base_model_is_refused_by_name(moe, tmp_path):
     sessions = make_session_factory(db_engine(settings.resolved_database_url))
     sampling, unavailable = build_sampling(settings, info, sessions, Notifier())
     assert sampling is None and unavailable == MOE_SAMPLING
-    app = create_app(settings=settings, sessions_factory=sessions, scheduler=SimpleNamespace(submit=lambda q: None),
-                     notifier=Notifier(), model_info=info, sampling_unavailable=unavailable)
+    app = create_app(settings=settings, sessions_factory=sessions, notifier=Notifier(), models=ServedModels(
+        [ServedModel(info, SimpleNamespace(submit=lambda q: None), sampling_unavailable=unavailable)]))
     with sessions() as s:
         key = create_tenant(s, "moe")[1]
     with TestClient(app, base_url="http://test", headers={"x-api-key": key}) as client:
@@ -157,7 +158,8 @@ def test_sampling_on_a_moe_base_model_is_refused_by_name(moe, tmp_path):
                              json={"session_id": session_id, "sampling_session_seq_id": 0})
         assert answer.status_code == 400 and "mixture-of-experts" in answer.text, answer.text
         answer = client.post("/api/v1/asample", json={"prompt": {"chunks": [{"tokens": [1, 2], "type": "encoded_text"}]},
-                                                      "num_samples": 1, "sampling_params": {"max_tokens": 2}})
+                                                      "num_samples": 1, "sampling_params": {"max_tokens": 2},
+                                                      "base_model": moe})
         assert answer.status_code == 400 and "mixture-of-experts" in answer.text, answer.text
 
 
