@@ -23,6 +23,7 @@ from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import ROOT
 from tests.service.test_scheduling import http_client, sft_data, wait_result
+from workers.trainer.residency import memory_budget
 
 pytestmark = pytest.mark.slow  # two models' engines, one server restarted twice
 MODELS = ("loraplex/tiny", "loraplex/tiny-qwen3")
@@ -75,6 +76,9 @@ def test_each_run_trains_on_its_own_base_model_and_restarts_recover_only_their_o
     first = ServerThread(both)
     key = first.new_tenant()
     service = tinker.ServiceClient(base_url=first.base_url, api_key=key)
+    # each trainer keeps half the training-state budget one model alone would get
+    budgets = [stack.executor.residency_stats().budget_bytes for stack in first.embedded.stacks]
+    assert budgets == [memory_budget(None, both.trainer_memory_fraction / 2, torch.device("cpu"))] * 2
     capabilities = httpx.get(f"{first.base_url}/api/v1/get_server_capabilities").json()["supported_models"]
     assert [m["model_name"] for m in capabilities] == list(MODELS)
     runs = {name: service.create_lora_training_client(base_model=alias, rank=4, seed=3).result()
