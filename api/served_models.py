@@ -31,10 +31,10 @@ class ServedModel:
     def name(self) -> str:
         return self.info.name
 
-    def require_sampling(self, status: int = 400):
-        """The sampler, or an HTTP error naming why this model cannot be sampled here."""
+    def require_sampling(self):
+        """The sampler, or a 400 naming why this model cannot be sampled here."""
         if self.sampling is None:
-            raise HTTPException(status, f"sampling is not available for {self.name}: {self.sampling_unavailable}")
+            raise HTTPException(400, f"sampling is not available for {self.name}: {self.sampling_unavailable}")
         return self.sampling
 
 
@@ -54,11 +54,11 @@ class ServedModels:
         """The served model `name` names, by its hub id or an alias; None if none is served."""
         return self._by_name.get(hub_id(name))
 
-    def named(self, name: str, field: str = "base_model", status: int = 400) -> ServedModel:
-        """The served model `name` names; an HTTP error naming `field` and what is served if none."""
+    def named(self, name: str) -> ServedModel:
+        """The served model a request's `base_model` names; a 400 naming what is served if none."""
         model = self.find(name)
         if model is None:
-            raise HTTPException(status, f"{field}: {name[:200]!r} is not served here; served: {self.described()}")
+            raise HTTPException(400, f"base_model: {name[:200]!r} is not served here; served: {self.described()}")
         return model
 
     def stored(self, name: str, what: str = "model_id") -> ServedModel:
