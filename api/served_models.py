@@ -12,8 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi import HTTPException, Request
+from sqlalchemy.orm import Session
 
+from db.models import Checkpoint, TrainingModel
 from models.registry import ModelInfo, hub_id, names_of
 
 
@@ -69,6 +72,13 @@ class ServedModels:
             raise HTTPException(400, f"{what}: its base model {name[:200]!r} is not served here; served: "
                                      f"{self.described()}")
         return model
+
+    def of_checkpoint(self, db: Session, checkpoint: Checkpoint, field: str) -> ServedModel:
+        """The served model a checkpoint was trained on (its run's); 404 naming `field` if the run is gone."""
+        base_model = db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
+        if base_model is None:
+            raise HTTPException(404, f"{field}: the run of {checkpoint.tinker_path!r} is gone")
+        return self.stored(base_model, field)
 
     def described(self) -> str:
         """The served models' names, for an error: "'loraplex/tiny' (also named 'tiny'), ..."."""

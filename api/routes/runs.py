@@ -162,7 +162,7 @@ def archive(run_id: str, checkpoint_id: str, request: Request, tenant: CurrentTe
     from storage.peft_export import export_peft
 
     row = owned_checkpoint(db, tenant.id, run_id, checkpoint_id)
-    base = served(request).stored(db.get(TrainingModel, row.model_id).base_model, "run_id")
+    base = served(request).of_checkpoint(db, row, "run_id")
     work = Path(tempfile.mkdtemp(prefix="loraplex-archive-"))
     adapter = work / "adapter"
     try:

@@ -28,7 +28,7 @@ from api.submit import submit
 from contract.errors import SamplerBusy, SamplerUnavailable
 from contract.kinds import RequestKind
 from contract.sampling import SampleJob, SamplingOptions
-from db.models import Checkpoint, Sampler, TrainingModel, new_id
+from db.models import Checkpoint, Sampler, new_id
 from models.architectures import sampling_refusal
 from storage.checkpoint_files import snapshot_policy_version
 
@@ -59,7 +59,7 @@ def create_sampling_session(body: CreateSamplingSession, request: Request, tenan
         if checkpoint.kind != "sampler":
             raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
         adapter_path = checkpoint.storage_path  # pinned: a later save under this name makes a new folder
-        base = _checkpoint_base(request, db, checkpoint, "model_path")  # the weights' own, whatever was named
+        base = served(request).of_checkpoint(db, checkpoint, "model_path")  # the weights' own, whatever was named
     refusal = sampling_refusal(base.info.arch)
     if refusal:  # told at creation, not at the first sample
         raise HTTPException(400, refusal)
@@ -141,14 +141,6 @@ def _options(p: SamplingParamsIn, prompt_len: int, max_context: int, vocab: int)
     )
 
 
-def _checkpoint_base(request: Request, db: DB, checkpoint: Checkpoint, field: str) -> ServedModel:
-    """The served base model a checkpoint was trained on (its run's)."""
-    base_model = db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
-    if base_model is None:
-        raise HTTPException(404, f"{field}: the run of {checkpoint.tinker_path!r} is gone")
-    return served(request).stored(base_model, field)
-
-
 def _target(body: SampleRequestIn, request: Request, tenant_id: str,
             db: DB) -> tuple[str | None, str | None, ServedModel]:
     """(sampler id or None, snapshot folder or None, the base model sampled) of the request."""
@@ -168,7 +160,7 @@ def _target(body: SampleRequestIn, request: Request, tenant_id: str,
         _, checkpoint = resolve_checkpoint(db, tenant_id, body.model_path, "model_path")
         if checkpoint.kind != "sampler":
             raise HTTPException(400, "model_path: sample from sampler weights (tinker://.../sampler_weights/...)")
-        return None, checkpoint.storage_path, _checkpoint_base(request, db, checkpoint, "model_path")
+        return None, checkpoint.storage_path, served(request).of_checkpoint(db, checkpoint, "model_path")
     if body.base_model is not None:
         return None, None, served(request).named(body.base_model)
     raise HTTPException(400, "sampling_session_id: required (or the legacy base_model / model_path)")
