@@ -3,6 +3,7 @@ vLLM sampler), so they never rot."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -95,9 +96,10 @@ def test_the_agents_calculator_is_arithmetic_only():
 
 
 def test_agent_rl_trains_from_the_rollout_store_through_the_policy_alias(service, tmp_path, monkeypatch):
-    # `tiny` never solves a word problem nor calls the calculator: score by the final reply's length
-    # parity instead, so that groups disagree and every part of the step runs
-    monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: float(len(episode.final) % 2))
+    # `tiny` never solves a word problem nor calls the calculator: alternate the rewards instead, so that every
+    # group of three disagrees and every part of the step runs
+    rewards = itertools.cycle((0.0, 1.0))
+    monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: next(rewards))
     summary = agent_rl.run(service[1], "tiny", steps=2, prompts_per_step=2, group_size=3, max_turns=2, max_tokens=6,
                            held_out=3, eval_every=2, results=tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "agent_rl.jsonl").read_text().splitlines()]

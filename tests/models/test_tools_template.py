@@ -5,6 +5,7 @@ calls here are forced (tool_choice named), and the round trip goes on with the t
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import anthropic
@@ -95,8 +96,9 @@ def test_the_agent_example_calls_its_calculator_as_a_tool(server, tmp_path, monk
     episode's first turn is a parsed call answered by a tool message (so each runs its two turns), and the
     GRPO step trains on what the store recorded."""
     base_url, key = server
-    # the untrained model solves nothing: score by the final reply's length parity, so that groups disagree
-    monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: float(len(episode.final) % 2))
+    # the untrained model solves nothing: alternate the rewards, so that every group of three disagrees
+    rewards = itertools.cycle((0.0, 1.0))
+    monkeypatch.setattr(agent_rl, "score", lambda problem, episode, bonus: next(rewards))
     summary = agent_rl.run(loraplex.ServiceClient(base_url=base_url, api_key=key), MODEL, steps=1,
                            prompts_per_step=2, group_size=3, max_turns=2, max_tokens=256, held_out=2,
                            eval_every=1, results=tmp_path)
