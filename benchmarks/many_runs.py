@@ -2,7 +2,8 @@
 disk, and what a paged-out run's step costs, against the same active runs with nothing paged.
 
     .venv/bin/python -m benchmarks.many_runs [--runs 1000] [--active 0.1] [--rounds 3] [--budget-gib 6] \
-        [--repeats 1] [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--clients 4] [--compare-prefetch]
+        [--repeats 1] [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--clients 4] [--compare-prefetch] \
+        [--one-at-a-time 20] [--never-paged-holds-all]
 
 It starts `python -m service serve` (no sampler) in a process of its own, so the RSS it samples every
 second is the server's. Phase 1: `runs` rank-8 runs, created and stepped once each (a forward_backward
@@ -12,13 +13,17 @@ pages the least recently used out past its budget (LORAPLEX_TRAINER_MEMORY_BUDGE
 less than half of them), steps `rounds` times: the first round finds them paged out (cold), the later
 ones resident (`repeats` times, the active runs paged out again before each). With --compare-prefetch,
 phases 1 and 2 run on two servers, one reading paged-out runs back ahead of their cycle (the default),
-one not (LORAPLEX_TRAINER_PREFETCH_BYTES=0): what prefetch buys a cold step (docs/memory.md). Phase 3:
-a server without a budget holds only as many runs (never paged) and steps them the same way: their
-throughput against phase 2's resident rounds is what the budget costs the active set. All servers are
+one not (LORAPLEX_TRAINER_PREFETCH_BYTES=0): what prefetch buys a cold step (docs/memory.md). In
+round 1 every client's run is cold at once, so a step waits for the others' page-ins too; then, on one
+client, `one_at_a_time` paged-out runs of the first half step one at a time, taking turns with
+resident ones: a cold step's own extra latency. Phase 3: a server without a budget holds as many runs
+as the active set (or all of them, --never-paged-holds-all, where they fit in RAM: then nothing but
+the paging differs), never paged, and steps the active set the same way: its throughput against phase
+2's resident rounds is what the budget costs the active set. All servers are
 up at once, but each phase and each round runs on one at a time, the servers taking turns round by
 round, so that other load on the machine falls on all alike and none competes with another.
 The disk's read bandwidth is measured with O_DIRECT on a file the size of one run's state, for what
-one page-in should cost. Writes benchmarks/results/many_runs.md unless --no-write.
+one page-in should cost. Writes benchmarks/results/many_runs.md (or --out) unless --no-write.
 """
 
 from __future__ import annotations
@@ -137,6 +142,11 @@ class Server:
         stop(self.process)
 
 
+def page_in_counts(server: Server) -> tuple[float, float]:
+    """The server's page-ins so far: (read ahead, read on the cycle's path)."""
+    return server.metric("loraplex_trainer_prefetch_hits_total"), server.metric("loraplex_trainer_prefetch_misses_total")
+
+
 def in_parallel(clients: int, jobs: list, fn) -> list:
     with ThreadPoolExecutor(clients) as pool:
         return list(pool.map(fn, jobs))
@@ -196,6 +206,9 @@ class Bench:
     cold: list[float] = field(default_factory=list)  # step latencies of paged-out runs
     warm: list[float] = field(default_factory=list)  # of resident ones
     warm_rates: list[float] = field(default_factory=list)  # steps per second of the active set, resident
+    cold_alone: list[float] = field(default_factory=list)  # a paged-out run stepped with nothing beside it
+    warm_alone: list[float] = field(default_factory=list)  # a resident one, likewise, taking turns with those
+    alone_page_ins: tuple[float, float] = (0, 0)  # page-ins while stepping alone: (read ahead, on the path)
     phase1_seconds: float = 0.0
     base_rss: int = 0
 
@@ -208,9 +221,13 @@ class Bench:
 
 
 def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 1, budget_gib: float = 6.0,
-         clients: int = 4, model: str = MODEL, compare_prefetch: bool = False, write: bool = True) -> None:
+         clients: int = 4, model: str = MODEL, compare_prefetch: bool = False, never_paged_holds_all: bool = False,
+         one_at_a_time: int = 20, write: bool = True, out: Path = RESULTS) -> None:
     """repeats: phase 2 that many times, the active runs paged out again before each (every run of the second
-    half steps once: the budget must hold fewer)."""
+    half steps once: the budget must hold fewer). never_paged_holds_all: the server without a budget holds
+    all `runs` runs, not only the active ones (they must fit in RAM), so that its comparison separates what
+    paging costs from what holding many runs costs. one_at_a_time: paged-out and resident steps taken
+    one at a time, taking turns, on one client. out: the results file."""
     global MODEL
     MODEL = model
     active_runs = max(1, int(active * runs))
@@ -229,12 +246,12 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
             for bench in benches:
                 bench.base_rss = rss_bytes(bench.server.process.pid)
                 started = time.monotonic()
-                bench.runs = create_and_step(bench.server, runs if bench.prefetch is not None else active_runs, clients)
+                holds_all = bench.prefetch is not None or never_paged_holds_all
+                bench.runs = create_and_step(bench.server, runs if holds_all else active_runs, clients)
                 bench.phase1_seconds = time.monotonic() - started
                 # the same active set (by creation order) on every paged server, drawn from the first half
                 first_half = bench.runs[: max(1, runs // 2)]
-                bench.active = (random.Random(0).sample(first_half, active_runs) if bench.prefetch is not None
-                                else bench.runs)
+                bench.active = random.Random(0).sample(first_half, active_runs) if holds_all else bench.runs
             for repeat in range(repeats):
                 if repeat:  # page the active runs out again: the runs of the second half step once
                     for bench in paged:
@@ -247,13 +264,22 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
                         else:
                             bench.warm += latencies
                             bench.warm_rates.append(rate)
+            for bench in paged:  # one run at a time, a paged-out one then a resident one: a cold step's own cost
+                before = page_in_counts(bench.server)
+                idle = [run for run in bench.runs[: runs // 2] if run not in bench.active]  # paged out in phase 1
+                for i, (cold, warm) in enumerate(zip(idle[:one_at_a_time], bench.active)):
+                    bench.cold_alone.append(cold.step(np.random.default_rng(2000 + i)))
+                    bench.warm_alone.append(warm.step(np.random.default_rng(2000 + i)))
+                after = page_in_counts(bench.server)
+                bench.alone_page_ins = (after[0] - before[0], after[1] - before[1])
             counts = {b.name: {name: b.server.metric(f"loraplex_trainer_{name}") for name in (
                 "prefetch_hits_total", "prefetch_misses_total", "page_in_seconds_count", "page_in_seconds_sum")}
                 for b in paged}
             live = tmp / paged[-1].name.replace("prefetch ", "paged-") / "live"
             disk_per_run = du(live) / runs
-            idle = next(run for run in paged[-1].runs if run not in paged[-1].active)
-            # a paged-out run: its one copy, in either of its two slots (storage/live_slots.py)
+            # a run paged out in phase 1 and never stepped again (one_at_a_time stepped the first ones): its one
+            # copy, in either of its two slots (storage/live_slots.py)
+            idle = next(run for run in reversed(paged[-1].runs[: runs // 2]) if run not in paged[-1].active)
             state_bytes = sum(du(Path(slot)) for slot in slot_paths(str(live), idle.model_id))
         finally:
             for bench in benches:
@@ -289,7 +315,11 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
         row(f"the same, resident (rounds 2-{rounds}), p50 / p99", lambda b: f"{ms(b.warm, 0.5)} / {ms(b.warm, 0.99)} ms"),
         row("**a cold step's extra latency, p50** (paged-out minus resident)",
             lambda b: f"**{extra(b):.0f} ms** ({extra(b) / page_in_ms:.1f} page-ins)"),
-        row("the same runs on a server that never paged, p50 / p99",
+        row(f"**one run at a time: a paged-out step's extra latency, p50** ({one_at_a_time} of each, taking turns)",
+            lambda b: f"**{(pct(b.cold_alone, 0.5) - pct(b.warm_alone, 0.5)) * 1000:.0f} ms** "
+                      f"({ms(b.cold_alone, 0.5)} vs {ms(b.warm_alone, 0.5)} ms; page-ins read ahead / on the path: "
+                      f"{b.alone_page_ins[0]:.0f} / {b.alone_page_ins[1]:.0f})"),
+        row(f"the same runs on a server that never paged (holding {len(alone.runs)} runs), p50 / p99",
             lambda b: f"{ms(alone.warm, 0.5)} / {ms(alone.warm, 0.99)} ms"),
         row("**active-set throughput, paged server / never paged** (median of resident rounds)",
             lambda b: f"{statistics.median(b.warm_rates):.2f} / {rate_alone:.2f} steps/s "
@@ -300,10 +330,12 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
     if write:
         traces = "\n".join(f"Server RSS every 30 s (s, GiB), {b.name}: " + json.dumps(
             [(round(t - b.server.rss[0][0]), round(v / 2**30, 2)) for t, v in b.server.rss[::30]]) for b in paged)
-        RESULTS.write_text(
+        out.write_text(
             f"Command: `.venv/bin/python -m benchmarks.many_runs --runs {runs} --active {active:g} --rounds {rounds} "
             f"--repeats {repeats} --budget-gib {budget_gib:g} --clients {clients}"
-            f"{' --compare-prefetch' if compare_prefetch else ''}` (`python -m service serve`, no sampler)\n\n"
+            f"{' --compare-prefetch' if compare_prefetch else ''}"
+            f"{' --never-paged-holds-all' if never_paged_holds_all else ''} --one-at-a-time {one_at_a_time}"
+            f"{'' if out == RESULTS else f' --out {out}'}` (`python -m service serve`, no sampler)\n\n"
             + "\n".join(lines) + f"\n\n{traces}\n")
 
 
