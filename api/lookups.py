@@ -49,6 +49,11 @@ def owned_sampler(db: Session, tenant_id: str, sampler_id: str) -> Sampler:
     return row
 
 
+def checkpoint_base_model(db: Session, checkpoint: Checkpoint) -> str | None:
+    """The base model a checkpoint was trained on: its run's (hub id); None if the run's row is gone."""
+    return db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
+
+
 def resolve_checkpoint(db: Session, tenant_id: str, path: str, field: str = "path") -> tuple[TinkerPath, Checkpoint]:
     parsed = TinkerPath.parse(path, field)
     row = db.scalar(sa.select(Checkpoint).where(Checkpoint.tinker_path == str(parsed)))

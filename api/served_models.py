@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
 from fastapi import HTTPException, Request
 from sqlalchemy.orm import Session
 
-from db.models import Checkpoint, TrainingModel
+from api.lookups import checkpoint_base_model
+from db.models import Checkpoint
 from models.registry import ModelInfo, hub_id, names_of
 
 
@@ -75,7 +75,7 @@ class ServedModels:
 
     def of_checkpoint(self, db: Session, checkpoint: Checkpoint, field: str) -> ServedModel:
         """The served model a checkpoint was trained on (its run's); 404 naming `field` if the run is gone."""
-        base_model = db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
+        base_model = checkpoint_base_model(db, checkpoint)
         if base_model is None:
             raise HTTPException(404, f"{field}: the run of {checkpoint.tinker_path!r} is gone")
         return self.stored(base_model, field)

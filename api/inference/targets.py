@@ -21,7 +21,7 @@ from fastapi import HTTPException, Request
 from sqlalchemy.orm import Session
 
 from api.inference.errors import InferenceError
-from api.lookups import resolve_checkpoint
+from api.lookups import checkpoint_base_model, resolve_checkpoint
 from api.served_models import ServedModel, served
 from db.models import Checkpoint, CheckpointKind, TrainingModel
 from storage.checkpoint_files import snapshot_policy_version
@@ -62,8 +62,7 @@ def resolve(request: Request, db: Session, tenant_id: str, model: str) -> Target
         if checkpoint.kind != CheckpointKind.SAMPLER:
             raise InferenceError(400, "model: sample from sampler weights (tinker://<run>/sampler_weights/<name>), "
                                       "not a training state")
-        run_base_model = db.scalar(sa.select(TrainingModel.base_model).where(TrainingModel.id == checkpoint.model_id))
-        return _snapshot(request, checkpoint, model, run_base_model)
+        return _snapshot(request, checkpoint, model, checkpoint_base_model(db, checkpoint))
     base = served(request).find(model)
     if base is not None:
         return Target(None, None, None, base)

@@ -22,7 +22,7 @@ from api import quotas
 from api.input_policy import Id, Label, Metadata, NonNegInt32, Seed, SeqId, SessionSeq, StrMetadata, check_wire_text
 from api.deps import DB, ApiKeyHeader, CurrentTenant, TenantRef, in_tenant_session
 from api.optimizers import OptimizerConfig, run_optimizer, wire_config
-from api.lookups import check_owned_model, owned_model, owned_session, resolve_checkpoint
+from api.lookups import check_owned_model, checkpoint_base_model, owned_model, owned_session, resolve_checkpoint
 from api.paths import CHECKPOINT_KINDS, TinkerPath, checkpoint_name, sampler_id, snapshot_folder, storage_path
 from api.paths import model_id as make_model_id
 from api.served_models import served
@@ -295,9 +295,8 @@ def load_weights(body: LoadWeights, request: Request, tenant: CurrentTenant, db:
     if manifest is None:
         raise HTTPException(404, f"path: the files of {body.path!r} are missing")
     saved = manifest.get("optimizer", "adamw")  # states written before Dimuon were AdamW's
-    source = db.get(TrainingModel, checkpoint.model_id)
     # the base model the state was trained on (its run's; the default one's where the run is gone)
-    source_base = source.base_model if source else served(request).default.name
+    source_base = checkpoint_base_model(db, checkpoint) or served(request).default.name
     if body.session_id is not None and body.model_seq_id is not None:  # create-via-load: seq 0 of a new model
         owned_session(db, tenant.id, body.session_id)
         base = served(request).stored(source_base, "path")
