@@ -213,6 +213,12 @@ class Bench:
     base_rss: int = 0
 
     @property
+    def idle(self) -> list[Run]:
+        """The first half's runs outside the active set: paged out in phase 1 (a budgeted server), not stepped
+        in phase 2."""
+        return [run for run in self.runs[: len(self.runs) // 2] if run not in self.active]
+
+    @property
     def name(self) -> str:
         return "never paged" if self.prefetch is None else f"prefetch {'on' if self.prefetch else 'off'}"
 
@@ -266,8 +272,7 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
                             bench.warm_rates.append(rate)
             for bench in paged:  # one run at a time, a paged-out one then a resident one: a cold step's own cost
                 before = page_in_counts(bench.server)
-                idle = [run for run in bench.runs[: runs // 2] if run not in bench.active]  # paged out in phase 1
-                for i, (cold, warm) in enumerate(zip(idle[:one_at_a_time], bench.active)):
+                for i, (cold, warm) in enumerate(zip(bench.idle[:one_at_a_time], bench.active)):
                     bench.cold_alone.append(cold.step(np.random.default_rng(2000 + i)))
                     bench.warm_alone.append(warm.step(np.random.default_rng(2000 + i)))
                 after = page_in_counts(bench.server)
@@ -277,10 +282,9 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
                 for b in paged}
             live = tmp / paged[-1].name.replace("prefetch ", "paged-") / "live"
             disk_per_run = du(live) / runs
-            # a run paged out in phase 1 and never stepped again (one_at_a_time stepped the first ones): its one
-            # copy, in either of its two slots (storage/live_slots.py)
-            idle = next(run for run in reversed(paged[-1].runs[: runs // 2]) if run not in paged[-1].active)
-            state_bytes = sum(du(Path(slot)) for slot in slot_paths(str(live), idle.model_id))
+            # a paged-out run never stepped again (one_at_a_time stepped the first idle ones): its one copy, in
+            # either of its two slots (storage/live_slots.py)
+            state_bytes = sum(du(Path(slot)) for slot in slot_paths(str(live), paged[-1].idle[-1].model_id))
         finally:
             for bench in benches:
                 bench.server.stop()
