@@ -15,11 +15,12 @@ from db.models import ServiceMetric
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 
 pytestmark = pytest.mark.distributed
 
-REDIS_URL = "redis://127.0.0.1:6379/14"  # a database of its own: tests/distributed use 6-13
+REDIS_URL = redis_url(__name__)
 TOKENS = list(range(10, 30))
 
 

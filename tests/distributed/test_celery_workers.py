@@ -22,12 +22,13 @@ from contract.inputs import EngineDatum, ForwardBackwardInput
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker, wait_for
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
 from tests.waiting import wait_until
 from workers.trainer.engine import TrainerEngine
 
-REDIS_URL = "redis://127.0.0.1:6379/7"
+REDIS_URL = redis_url(__name__)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -4,8 +4,9 @@ import redis
 
 from contract.redis_keys import REGISTRY, sampler_key, worker_key
 from messaging.celery_app import heartbeat, live_registrations
+from tests.redis_dbs import redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/7"
+REDIS_URL = redis_url(__name__)
 MODEL = "registry-test"  # no scheduler of a real base model mistakes these for its workers
 
 

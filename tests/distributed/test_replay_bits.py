@@ -19,6 +19,7 @@ from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from storage.live_slots import read_slots
 from tests.distributed.processes import start_worker
+from tests.redis_dbs import redis_url
 from tests.servers import metric
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.service.test_replay_bits import assert_same_bits, train_beside_a_neighbour, trained_alone
@@ -26,7 +27,7 @@ from tests.waiting import wait_until
 from workers.trainer.engine import TrainerEngine
 
 pytestmark = pytest.mark.slow  # two Celery worker processes start, one after the other
-REDIS_URL = "redis://127.0.0.1:6379/13"
+REDIS_URL = redis_url(__name__)
 STEPS, KILL_AFTER = 3, 1  # the learning rates and data: tests/service/test_replay_bits.py's
 EVERY_STEP = {"LORAPLEX_STATE_WRITE_INTERVAL_SECONDS": "0"}  # durable state after each optim_step
 

@@ -20,11 +20,12 @@ from service.embedded import free_port
 from tests.distributed.processes import (
     ROOT, create_tenant_key, service_env, start_service, start_worker, wait_for, wait_healthy,
 )
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
 from tests.waiting import wait_until
 
-REDIS_URL = "redis://127.0.0.1:6379/11"
+REDIS_URL = redis_url(__name__)
 
 
 @pytest.fixture

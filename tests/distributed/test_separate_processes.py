@@ -33,11 +33,12 @@ from tests.distributed.processes import (
     wait_for,
     wait_healthy,
 )
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.uninterrupted import logprobs_after_steps
 from tests.waiting import wait_until
 
-REDIS_URL = "redis://127.0.0.1:6379/6"
+REDIS_URL = redis_url(__name__)
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)
 
 

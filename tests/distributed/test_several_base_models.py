@@ -22,10 +22,11 @@ from tests.distributed.processes import (
     wait_for,
     wait_healthy,
 )
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.service.test_several_base_models import MODELS, TOKENS, base_logprobs, scored
 
-REDIS_URL = "redis://127.0.0.1:6379/15"  # a database of its own (other tests use 6-14)
+REDIS_URL = redis_url(__name__)
 
 
 def test_each_models_runs_train_on_its_own_scheduler_and_worker(tmp_path):

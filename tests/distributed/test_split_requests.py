@@ -13,6 +13,7 @@ from contract.inputs import ForwardBackwardInput
 from service.embedded import ServerThread, free_port
 from service.settings import Settings
 from tests.distributed.processes import start_worker
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.service.test_scheduling import PROTOBUF, http_client, proto_body, wait_result
 from tests.service.test_split_requests import (
@@ -25,7 +26,7 @@ from tests.service.test_split_requests import (
     sdk_data,
 )
 
-REDIS_URL = "redis://127.0.0.1:6379/10"
+REDIS_URL = redis_url(__name__)
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from messaging.bus import FinishedListener
 from messaging.notify import Finished, Notifier
 from messaging.remote_streams import RemoteStreams
 from messaging.stream_channels import encode_deltas
+from tests.redis_dbs import redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
+REDIS_URL = redis_url(__name__)
 STEPS = 50
 
 

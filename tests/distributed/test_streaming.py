@@ -26,12 +26,13 @@ from tests.distributed.processes import (
     stop_all,
     wait_healthy,
 )
+from tests.redis_dbs import redis_url
 from tests.service.conftest import drop_postgres_database, postgres_database
 from tests.waiting import wait_until
 from workers.sampler.engine import CANCELLED
 
 pytestmark = pytest.mark.vllm
-REDIS_URL = "redis://127.0.0.1:6379/12"
+REDIS_URL = redis_url(__name__)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import torch
 from contract.queue import Cycle
 from storage.checkpoint_files import verify_training_state
 from storage.live_slots import read_slots
+from tests.redis_dbs import redis_url
 from tests.workers.trainer.test_eviction import forward_backward, request
 from tests.workers.trainer.test_live_state import create, train_step
 from workers.trainer.engine import TrainerEngine
@@ -174,7 +175,7 @@ def test_the_celery_scheduler_replays_from_the_newest_state_that_verifies(execut
     from scheduler.celery_executor import CeleryExecutor
 
     trained(executor)
-    scheduler_side = CeleryExecutor("redis://127.0.0.1:6379/7", "tiny", executor.live.live_dir)
+    scheduler_side = CeleryExecutor(redis_url(__name__), "tiny", executor.live.live_dir)
     assert scheduler_side.durable_seq("c") == 7
     assert scheduler_side._newest_state_verifies("c")
     corrupt(Path(executor.live.live_dir, "c.alt"), "flip")
