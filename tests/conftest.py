@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 # No machine here reaches the hub: without this, a tokenizer lookup by hub id retries it five
 # times per file (53 s for one miss) before it falls back to the local cache.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# pytest-xdist starts its workers with COLUMNS=80, and Rich fixes a console's width from COLUMNS when
+# the console is made (admin/common.py's, at import): the admin tests' own COLUMNS would be ignored.
+os.environ.pop("COLUMNS", None)
 
 from models.registry import resolve_model
 from tests.waiting import wait_until
