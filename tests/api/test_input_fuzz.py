@@ -24,7 +24,7 @@ from db import rollouts
 from db.models import new_id
 
 JSON = {"Content-Type": "application/json"}
-RUNS = [pytest.param(10, id="quick"), pytest.param(400, id="heavy", marks=pytest.mark.slow)]
+RUNS = [pytest.param(10, id="quick"), pytest.param(200, id="heavy", marks=pytest.mark.slow)]
 
 # --- JSON text, good and bad (as text: nesting past 1,000 levels cannot be built with json.dumps) ---
 
