@@ -64,8 +64,11 @@ def test_rl_runs_with_bounded_staleness(service, tmp_path, async_mode, monkeypat
         rl_arithmetic.run(service[1], "tiny", steps=3, prompts_per_step=2, group_size=4, max_tokens=4, held_out=4,
                           eval_every=3, results=tmp_path, temperature=1.5, name="again")
         again = [json.loads(line) for line in (tmp_path / "again.jsonl").read_text().splitlines()]
-        same = ("reward", "datums", "entropy", "held_out_accuracy")
+        same = ("reward", "datums", "held_out_accuracy")
         assert [{k: r.get(k) for k in same} for r in again] == [{k: r.get(k) for k in same} for r in rows]
+        # the entropy comes from the sampler's logprobs, which vLLM computes in batches of whichever requests
+        # arrive together: equal to float32 rounding, not to the bit (a CI run's differed by 2e-9 relative)
+        assert [r["entropy"] for r in again[1:]] == pytest.approx([r["entropy"] for r in rows[1:]], rel=1e-6)
 
 
 def test_the_driver_runs_tenants_at_once_then_one_by_one(service, tmp_path):
