@@ -213,10 +213,20 @@ class Bench:
     base_rss: int = 0
 
     @property
+    def first_half(self) -> list[Run]:
+        """The runs created first: the active set is drawn from them, so the second half's runs, created
+        after, paged them out (a budgeted server)."""
+        return self.runs[: max(1, len(self.runs) // 2)]
+
+    @property
+    def second_half(self) -> list[Run]:
+        return self.runs[len(self.first_half):]
+
+    @property
     def idle(self) -> list[Run]:
         """The first half's runs outside the active set: paged out in phase 1 (a budgeted server), not stepped
         in phase 2."""
-        return [run for run in self.runs[: len(self.runs) // 2] if run not in self.active]
+        return [run for run in self.first_half if run not in self.active]
 
     @property
     def name(self) -> str:
@@ -256,12 +266,11 @@ def main(runs: int = 1000, active: float = 0.1, rounds: int = 3, repeats: int = 
                 bench.runs = create_and_step(bench.server, runs if holds_all else active_runs, clients)
                 bench.phase1_seconds = time.monotonic() - started
                 # the same active set (by creation order) on every paged server, drawn from the first half
-                first_half = bench.runs[: max(1, runs // 2)]
-                bench.active = random.Random(0).sample(first_half, active_runs) if holds_all else bench.runs
+                bench.active = random.Random(0).sample(bench.first_half, active_runs) if holds_all else bench.runs
             for repeat in range(repeats):
                 if repeat:  # page the active runs out again: the runs of the second half step once
                     for bench in paged:
-                        a_round(bench.runs[runs // 2:], clients, 7)
+                        a_round(bench.second_half, clients, 7)
                 for r in range(rounds):
                     for bench in benches:  # taking turns
                         latencies, rate = a_round(bench.active, clients, 1000 + r)
