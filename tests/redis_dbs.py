@@ -1,6 +1,6 @@
 """The Redis database of each test module that uses Redis: one each (Redis has 16), so that modules
-running at once (CI's pytest workers each take whole modules: docs/architecture.md#tests) never flush
-or read each other's keys."""
+running at once (pytest-xdist workers each take whole modules: docs/architecture.md#tests) never
+flush or read each other's keys."""
 
 REDIS_DB = {
     "tests.workers.trainer.test_live_state_integrity": 5,
